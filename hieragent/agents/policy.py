@@ -1,0 +1,215 @@
+"""The planner and executor policies: LightningModules over one shared, adapter-switched LM.
+
+A policy turns prompt text into a ``Turn``: in ``score`` mode it samples from the
+softmax over candidate strings; in ``generate`` mode it samples free text. At training
+time it recomputes, under the current weights, the log-probabilities of exactly the token
+ids it recorded at rollout time.
+
+The shared LM is owned by the joint module (``hieragent.lightning.module``) and *bound*
+here without being registered, so its weights appear once in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Literal
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from hieragent.agents.prompts import EXECUTOR_SYSTEM, PLANNER_SYSTEM
+from hieragent.agents.scoring import candidate_logprobs, continuation_logprobs, left_pad
+from hieragent.memory.adapter import QueryAdapter
+from hieragent.memory.retrieval import retrieval_logprob
+from hieragent.types import Role, Turn
+
+Mode = Literal["score", "generate"]
+
+
+class Policy(L.LightningModule):
+    """One role's policy: an adapter name, an action mode and a sampling temperature.
+
+    Args:
+        adapter: Name of this policy's LoRA adapter on the shared LM.
+        mode: ``score`` (softmax over candidates) or ``generate`` (free text, parsed).
+        temperature: Sampling temperature (score mode: of the candidate softmax).
+        max_new_tokens: Generate mode: the most tokens one turn may produce.
+        score_reduction: Score mode: a candidate's score is the ``sum`` (GLAM) or the
+            ``mean`` of its token log-probabilities.
+    """
+
+    role: Role = "executor"
+    system_prompt: str = ""
+
+    def __init__(self, adapter: str, mode: Mode = "score", temperature: float = 1.0,
+                 max_new_tokens: int = 12, score_reduction: str = "sum") -> None:
+        super().__init__()
+        if score_reduction not in ("sum", "mean"):
+            raise ValueError(f"score_reduction must be 'sum' or 'mean', got {score_reduction!r}")
+        self.score_reduction = score_reduction
+        if mode not in ("score", "generate"):
+            raise ValueError(f"{self.role}.mode must be 'score' or 'generate', got {mode!r}")
+        if temperature <= 0:
+            raise ValueError(f"{self.role}.temperature must be > 0, got {temperature}")
+        self.adapter = adapter
+        self.mode = mode
+        self.temperature = temperature
+        self.max_new_tokens = max_new_tokens
+        self._candidate_cache: dict[str, list[int]] = {}
+
+    def bind(self, lm: torch.nn.Module, tokenizer) -> None:
+        # a plain attribute, not a submodule: the joint module owns the LM's parameters
+        self.__dict__["lm"] = lm
+        self.__dict__["tokenizer"] = tokenizer
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Run the shared LM with this policy's adapter."""
+        if hasattr(self.lm, "set_adapter"):
+            self.lm.set_adapter(self.adapter)
+        yield
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """Run the shared LM as the reference policy: the base model, adapters disabled."""
+        with self.lm.disable_adapter() if hasattr(self.lm, "disable_adapter") else contextlib.nullcontext():
+            yield
+
+    # -- token ids ---------------------------------------------------------------------
+    def prompt_ids(self, text: str) -> list[int]:
+        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": text}]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def candidate_ids(self, text: str) -> list[int]:
+        """A candidate is scored as a complete reply: its tokens and the end-of-turn token."""
+        if text not in self._candidate_cache:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            self._candidate_cache[text] = list(ids) + [self.tokenizer.eos_token_id]
+        return self._candidate_cache[text]
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    # -- acting ------------------------------------------------------------------------
+    @torch.no_grad()
+    def act(self, prompts: list[list[int]], options: list[list[str]], greedy: bool = False,
+            generator: torch.Generator | None = None, version: int = 0) -> list[Turn]:
+        """Choose one output per prompt; returns turns with behaviour log-probabilities."""
+        if not prompts:
+            return []
+        with self.active():
+            if self.mode == "score":
+                return self._act_score(prompts, options, greedy, generator, version)
+            return self._act_generate(prompts, greedy, version)
+
+    def _act_score(self, prompts, options, greedy, generator, version) -> list[Turn]:
+        cand_ids = [[self.candidate_ids(o) for o in opts] for opts in options]
+        logps = candidate_logprobs(self.lm, prompts, cand_ids, self.pad_id, self.temperature,
+                                   self.score_reduction)
+        turns = []
+        for prompt, opts, cands, lp in zip(prompts, options, cand_ids, logps):
+            if greedy:
+                choice = int(lp.argmax())
+            else:
+                choice = int(torch.multinomial(lp.exp().cpu(), 1, generator=generator))
+            turns.append(Turn(role=self.role, prompt_ids=prompt, action_ids=cands[choice],
+                              old_logprobs=[float(lp[choice])], text=opts[choice],
+                              policy_version=version, candidate_ids=cands, chosen=choice))
+        return turns
+
+    def _act_generate(self, prompts, greedy, version) -> list[Turn]:
+        ids, mask = left_pad(prompts, self.pad_id, self.device_of_lm)
+        out = self.lm.generate(
+            input_ids=ids, attention_mask=mask, do_sample=not greedy,
+            **({} if greedy else {"temperature": self.temperature, "top_k": 0, "top_p": 1.0}),
+            max_new_tokens=self.max_new_tokens, output_logits=True,
+            return_dict_in_generate=True, pad_token_id=self.pad_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        new = out.sequences[:, ids.shape[1]:]  # [B, N]
+        logp = torch.log_softmax(torch.stack(out.logits, 1).float() / self.temperature, -1)  # [B, N, V]
+        tok_logp = logp.gather(-1, new[..., None]).squeeze(-1)  # [B, N]
+        turns = []
+        for i, prompt in enumerate(prompts):
+            row = new[i].tolist()
+            end = row.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in row else len(row)
+            action = row[:end]
+            text = self.tokenizer.decode(action, skip_special_tokens=True).strip()
+            turns.append(Turn(role=self.role, prompt_ids=prompt, action_ids=action,
+                              old_logprobs=tok_logp[i, :end].tolist(), text=text,
+                              policy_version=version))
+        return turns
+
+    @property
+    def device_of_lm(self) -> torch.device:
+        return next(self.lm.parameters()).device
+
+    # -- training ----------------------------------------------------------------------
+    def turn_logprobs(self, turns: list[Turn]) -> list[Tensor]:
+        """Per-"token" log-probabilities of recorded turns under the current weights.
+
+        Score mode gives one entry per turn (the chosen candidate's softmax log-prob);
+        generate mode one entry per generated token. Aligned with ``Turn.old_logprobs``.
+        """
+        with self.active():
+            return self._recorded_logprobs(turns)
+
+    @torch.no_grad()
+    def reference_logprobs(self, turns: list[Turn]) -> list[Tensor]:
+        with self.reference():
+            return self._recorded_logprobs(turns)
+
+    def _recorded_logprobs(self, turns: list[Turn]) -> list[Tensor]:
+        prompts = [t.prompt_ids for t in turns]
+        if self.mode == "score":
+            logps = candidate_logprobs(self.lm, prompts, [t.candidate_ids for t in turns],
+                                       self.pad_id, self.temperature, self.score_reduction)
+            return [lp[t.chosen:t.chosen + 1] for lp, t in zip(logps, turns)]
+        actions = [t.action_ids if t.action_ids else [self.tokenizer.eos_token_id] for t in turns]
+        per_token = continuation_logprobs(self.lm, prompts, actions, list(range(len(turns))), self.pad_id)
+        # an empty generation still ran one forward: keep the shapes, drop its entry
+        return [lp if t.action_ids else lp[:0] for lp, t in zip(per_token, turns)]
+
+
+class Executor(Policy):
+    """Turns a subgoal and the current view into a primitive action."""
+
+    role: Role = "executor"
+    system_prompt = EXECUTOR_SYSTEM
+
+    def __init__(self, adapter: str = "executor", mode: Mode = "score", temperature: float = 1.0,
+                 max_new_tokens: int = 8, score_reduction: str = "sum") -> None:
+        super().__init__(adapter, mode, temperature, max_new_tokens, score_reduction)
+
+
+class Planner(Policy):
+    """Writes subgoals from the mission, the view and retrieved skills.
+
+    It owns the memory's query adapter: the retrieval is part of the planner's turn, so
+    its log-probability is one more "token" of that turn and it gets the turn's advantage.
+
+    Args:
+        embed_dim: Dimension of the memory encoder's embeddings (the adapter's width).
+    """
+
+    role: Role = "planner"
+    system_prompt = PLANNER_SYSTEM
+
+    def __init__(self, adapter: str = "planner", mode: Mode = "score", temperature: float = 1.0,
+                 max_new_tokens: int = 12, score_reduction: str = "sum", embed_dim: int = 384) -> None:
+        super().__init__(adapter, mode, temperature, max_new_tokens, score_reduction)
+        self.query_adapter = QueryAdapter(embed_dim)
+
+    def turn_logprobs(self, turns: list[Turn]) -> list[Tensor]:
+        out = super().turn_logprobs(turns)
+        with_retrieval = [i for i, t in enumerate(turns) if t.retrieval is not None]
+        if with_retrieval:
+            r_logp = retrieval_logprob(self.query_adapter, [turns[i].retrieval for i in with_retrieval])
+            for j, i in enumerate(with_retrieval):
+                out[i] = torch.cat([out[i], r_logp[j:j + 1].to(out[i].dtype)])
+        return out

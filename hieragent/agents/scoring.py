@@ -1,0 +1,121 @@
+"""Log-probabilities of continuations given prompts, with the prompt's KV cache shared.
+
+Used in both directions of the data flow: at rollout time (no grad) to score candidate
+actions, and at training time (with grad) to recompute the same numbers under the
+current weights. One code path for both is what keeps behaviour and training
+log-probabilities comparable.
+
+Prompts are left-padded so that each prompt's last token sits at the same position; the
+prompt is run once, its cache is repeated for every continuation of that prompt, and the
+continuations (right-padded) are run on top with explicit position ids.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Return ``ids [B, P]`` and ``mask [B, P]`` with every sequence right-aligned."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(s, device=device)
+            mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def right_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Return ``ids [M, L]`` and ``mask [M, L]`` with every sequence left-aligned."""
+    width = max(1, max(len(s) for s in seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, : len(s)] = torch.tensor(s, device=device)
+            mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def continuation_logprobs(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    continuations: list[list[int]],
+    rows: list[int],
+    pad_id: int,
+) -> list[Tensor]:
+    """Per-token log-probabilities of each continuation after its prompt.
+
+    Args:
+        model: A causal LM (PEFT-wrapped or not) returning ``logits`` and a cache.
+        prompts: ``B`` prompts as token ids, each non-empty.
+        continuations: ``M`` continuations as token ids, each non-empty.
+        rows: ``M`` indices into ``prompts``: the prompt each continuation follows.
+        pad_id: Token id used for padding (never attended to).
+
+    Returns:
+        ``M`` tensors; the j-th has ``len(continuations[j])`` float32 entries.
+    """
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_id, device)  # [B, P]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                use_cache=True, logits_to_keep=1)
+    first = F.log_softmax(out.logits[:, -1].float(), dim=-1)  # [B, V]
+    cache = out.cache
+    row_idx = torch.tensor(rows, dtype=torch.long, device=device)  # [M]
+    cache.reorder_cache(row_idx)
+
+    cont_ids, cont_mask = right_pad(continuations, pad_id, device)  # [M, L]
+    prompt_len = mask.sum(-1)[row_idx]  # [M]
+    cont_pos = prompt_len[:, None] + torch.arange(cont_ids.shape[1], device=device)  # [M, L]
+    full_mask = torch.cat([mask[row_idx], cont_mask], dim=1)  # [M, P + L]
+    width = cont_ids.shape[1]
+    # the last position predicts nothing we score: skip its vocabulary projection
+    keep = torch.arange(max(width - 1, 1), device=device)
+    out2 = model(input_ids=cont_ids, attention_mask=full_mask, position_ids=cont_pos,
+                 cache=cache, use_cache=True, logits_to_keep=keep)
+    rest = F.log_softmax(out2.logits[:, : width - 1].float(), dim=-1)  # [M, L-1, V]
+
+    # token 0 is predicted by the prompt's last position, token j by continuation j-1
+    tok0 = first[row_idx].gather(-1, cont_ids[:, :1]).squeeze(-1)  # [M]
+    tok_rest = rest.gather(-1, cont_ids[:, 1:, None]).squeeze(-1)  # [M, L-1]
+    per_token = torch.cat([tok0[:, None], tok_rest], dim=1)  # [M, L]
+    return [per_token[j, : len(c)] for j, c in enumerate(continuations)]
+
+
+def candidate_logprobs(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    candidates: list[list[list[int]]],
+    pad_id: int,
+    temperature: float = 1.0,
+    reduction: str = "sum",
+) -> list[Tensor]:
+    """The candidate softmax of ``score`` mode (GLAM, arXiv 2302.02662).
+
+    Each candidate's score is its summed (``reduction="sum"``, as in GLAM) or mean
+    (``"mean"``) token log-probability after the prompt; the policy is
+    ``softmax(score / temperature)`` over the prompt's candidates. The sum favours short
+    candidates by about one token's log-probability per token of difference; for a
+    randomly initialised model that is ~log(vocab) per token, so such a model starts
+    near-deterministic under ``sum`` and near-uniform under ``mean``.
+
+    Returns:
+        ``B`` tensors of log-probabilities, the i-th of length ``len(candidates[i])``.
+    """
+    flat = [c for cands in candidates for c in cands]
+    rows = [i for i, cands in enumerate(candidates) for _ in cands]
+    per_token = continuation_logprobs(model, prompts, flat, rows, pad_id)
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"score reduction must be 'sum' or 'mean', got {reduction!r}")
+    scores = torch.stack([t.sum() if reduction == "sum" else t.mean() for t in per_token])  # [M]
+    out, start = [], 0
+    for cands in candidates:
+        out.append(F.log_softmax(scores[start:start + len(cands)] / temperature, dim=-1))
+        start += len(cands)
+    return out

@@ -1,0 +1,83 @@
+"""``hieragent fit|validate|test|predict --config configs/<x>.yaml``: the LightningCLI entry point.
+
+The config schema is the signatures of ``HierAgentModule`` and ``RolloutDataModule``;
+LightningCLI gives ``--help``, ``--print_config`` and dotted overrides such as
+``--trainer.max_steps 3``. ``hieragent envs`` lists the environment names.
+
+Errors that come from bad input (a config value, a model path, an env name, a checkpoint)
+are printed as one line, with a non-zero exit; ``HIERAGENT_DEBUG=1`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
+
+from hieragent.models.loading import set_offline
+
+
+class HierAgentCLI(LightningCLI):
+    def before_instantiate_classes(self) -> None:
+        ckpt = self.config.get(str(self.subcommand), {}).get("ckpt_path") if self.subcommand else None
+        if ckpt and ckpt not in ("last", "best", "hpc", "registry"):
+            check_checkpoint(ckpt)
+
+    def instantiate_trainer(self, **kwargs: Any):
+        from hieragent.lightning.callbacks import AtomicCheckpointIO
+
+        plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):
+            plugins = [*plugins, AtomicCheckpointIO()]
+        return super().instantiate_trainer(plugins=plugins, **kwargs)
+
+
+def check_checkpoint(path: str) -> None:
+    """A checkpoint path must be a readable torch checkpoint before any work starts."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"ckpt_path '{path}' does not exist; expected a .ckpt file "
+                                "written by `hieragent fit` (see lightning_logs/*/checkpoints)")
+    if not zipfile.is_zipfile(p):
+        raise ValueError(f"ckpt_path '{path}' is not a torch checkpoint (not a zip archive); "
+                         "it may be truncated or another kind of file")
+
+
+def _list_envs() -> None:
+    from hieragent.envs.base import known_envs
+
+    print("\n".join(known_envs()))
+
+
+def main(args: list[str] | None = None) -> None:
+    set_offline()
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["envs"]:
+        _list_envs()
+        return
+    from hieragent.lightning.datamodule import RolloutDataModule
+    from hieragent.lightning.module import HierAgentModule
+
+    try:
+        HierAgentCLI(
+            HierAgentModule,
+            RolloutDataModule,
+            args=argv,
+            save_config_kwargs={"overwrite": True},
+            seed_everything_default=0,
+        )
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        if os.environ.get("HIERAGENT_DEBUG"):
+            raise
+        print(f"hieragent: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The text-environment interface every stage talks to, and the name -> env lookup.
+
+An env speaks text both ways: it shows an ``Observation`` and takes free text as an
+action, so that model output goes in unparsed. Bad output is an invalid step with feedback,
+never an exception, because a policy in training produces garbage often.
+"""
+
+from __future__ import annotations
+
+import difflib
+from abc import ABC, abstractmethod
+
+from hieragent.types import Observation, StepResult
+
+# Prefix of a gymnasium id -> the TextEnv that wraps it. One family so far (STYLE: no
+# plugin system before three real implementations).
+_FAMILIES = ("BabyAI-",)
+# Shown first when a name is unknown: the levels hieragent's configs use.
+_FEATURED = ("BabyAI-GoToLocal-v0", "BabyAI-GoToRedBallNoDists-v0", "BabyAI-GoToObj-v0")
+
+
+def normalize(text: str) -> str:
+    """Lower-case, collapse whitespace and drop a trailing period: how actions are matched."""
+    return " ".join(text.lower().strip().rstrip(".").split())
+
+
+def quote(text: str, limit: int = 40) -> str:
+    """Model output echoed back in feedback, cut short so feedback stays a few tokens."""
+    text = " ".join(text.split())
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+class TextEnv(ABC):
+    """A text environment with a planner-facing subgoal channel.
+
+    Args:
+        invalid_penalty: Subtracted from the reward of a step whose action is not one of
+            ``observation.actions``. That step does not move the env but counts toward
+            ``max_steps``, so a policy cannot stall forever on garbage.
+    """
+
+    def __init__(self, invalid_penalty: float = 0.1) -> None:
+        self.invalid_penalty = invalid_penalty
+
+    @abstractmethod
+    def reset(self, seed: int) -> Observation:
+        """Start an episode; the same seed gives the same episode, step for step."""
+
+    @abstractmethod
+    def step(self, action: str) -> StepResult:
+        """Take one action given as free text (matched after ``normalize``)."""
+
+    @abstractmethod
+    def set_subgoal(self, subgoal: str | None) -> str:
+        """Set the executor's subgoal (``None`` clears it).
+
+        Returns ``""`` when the subgoal could be grounded, else feedback for the planner, and
+        the subgoal is then cleared. ``StepResult.subgoal_done`` reports its completion.
+        """
+
+    @property
+    @abstractmethod
+    def max_steps(self) -> int:
+        """Step cap of the current episode; invalid steps count toward it."""
+
+
+def known_envs() -> list[str]:
+    """Every env name ``make_env`` accepts, in gymnasium's registration order."""
+    import gymnasium
+    import minigrid  # noqa: F401  (registers the BabyAI ids with gymnasium)
+
+    return [k for k in gymnasium.envs.registry if k.startswith(_FAMILIES)]
+
+
+def check_env_name(name: str) -> None:
+    """Raise ``ValueError`` naming ``name`` and some known ones unless it is a known env.
+
+    Cheap (a registry lookup, no env is built), so configs can call it at parse time.
+    """
+    known = known_envs()
+    if name in known:
+        return
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.75)
+    shown = list(dict.fromkeys(close + [f for f in _FEATURED if f in known] + known))[:6]
+    raise ValueError(
+        f"unknown env {name!r}; known: {', '.join(shown)}, ... "
+        f"({len(known)} in all, see hieragent.envs.known_envs())"
+    )
+
+
+def make_env(name: str, **kwargs: object) -> TextEnv:
+    """Build the env called ``name`` (a gymnasium id such as ``BabyAI-GoToLocal-v0``).
+
+    ``kwargs`` go to the env class, e.g. ``max_steps`` and ``invalid_penalty``.
+    """
+    check_env_name(name)
+    from hieragent.envs.babyai import BabyAITextEnv  # here: babyai.py imports this module
+
+    return BabyAITextEnv(name, **kwargs)  # type: ignore[arg-type]

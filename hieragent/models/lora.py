@@ -1,0 +1,56 @@
+"""One base model, named LoRA adapters (PEFT multi-adapter).
+
+The planner and the executor are adapters on one causal LM. The reference policy for the
+KL term is the same model with adapters disabled, so no second copy sits in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import PreTrainedModel
+
+
+@dataclass
+class LoraSettings:
+    """LoRA hyper-parameters shared by every adapter.
+
+    Attributes:
+        r: Rank of the update.
+        alpha: Scaling numerator (the update is scaled by alpha / r).
+        dropout: Dropout on the adapter's input; 0 keeps rollout and training identical.
+        target_modules: Names of the linear layers that get an adapter.
+    """
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+def add_adapters(model: PreTrainedModel, names: list[str], settings: LoraSettings) -> PeftModel:
+    """Wrap ``model`` with one LoRA adapter per name; the base weights are frozen."""
+    if not names:
+        raise ValueError("add_adapters needs at least one adapter name")
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, config, adapter_name=names[0])
+    for name in names[1:]:
+        peft_model.add_adapter(name, config)
+    # PEFT marks only the active adapter trainable; both policies train jointly.
+    for pname, param in peft_model.named_parameters():
+        param.requires_grad_(any(f".{n}." in pname for n in names) and "lora_" in pname)
+    return peft_model
+
+
+def adapter_parameters(model: PeftModel, name: str) -> list:
+    """The trainable parameters of one adapter, for its own optimizer param group."""
+    return [p for n, p in model.named_parameters() if "lora_" in n and f".{name}." in n]

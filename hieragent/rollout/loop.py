@@ -1,0 +1,171 @@
+"""The hierarchical rollout: planner turns, executor turns, batched over an env pool.
+
+The planner emits a subgoal; the executor acts until the subgoal is done, or
+``max_subgoal_steps`` pass, or the episode ends; then the planner is asked again. Every
+turn of either policy is recorded with its prompt ids, output ids, behaviour
+log-probabilities and reward. With ``hierarchical=False`` (the flat baseline) there is no
+planner: the executor's subgoal is the mission and the episode is one segment.
+
+Each loop iteration makes one batched call per policy over every env that needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from hieragent.agents.policy import Executor, Planner
+from hieragent.agents.prompts import executor_text, planner_text
+from hieragent.envs.pool import EnvPool
+from hieragent.memory.bank import MemoryBank
+from hieragent.memory.retrieval import sample_retrievals
+from hieragent.types import Trajectory, Turn
+
+
+@dataclass
+class RolloutSettings:
+    """How episodes are played.
+
+    Attributes:
+        hierarchical: Planner + executor; ``False`` is the flat executor-only baseline.
+        max_subgoal_steps: Executor steps after which the planner is asked again (k).
+        intrinsic_reward: Added to the executor's reward on the step that achieves its subgoal.
+        retrieval_candidates: FAISS top-n the retrieval samples from.
+        retrieval_k: Skills shown in the planner prompt.
+        retrieval_temperature: Softmax temperature over adapted similarities.
+        learn_retrieval: Sample the retrieval and train the query adapter with the
+            planner's RL signal; ``False`` is a plain top-k.
+    """
+
+    hierarchical: bool = True
+    max_subgoal_steps: int = 8
+    intrinsic_reward: float = 0.5
+    retrieval_candidates: int = 8
+    retrieval_k: int = 2
+    retrieval_temperature: float = 0.1
+    learn_retrieval: bool = True
+
+
+@dataclass
+class _EnvState:
+    trajectory: Trajectory
+    observation: object
+    subgoal: str = ""
+    segment: int = 0
+    segment_steps: int = 0
+    needs_plan: bool = True
+    plan_turn: Turn | None = None
+    planner_feedback: str = ""
+    executor_feedback: str = ""
+
+
+def collect(
+    pool: EnvPool,
+    seeds: list[int],
+    groups: list[int],
+    executor: Executor,
+    planner: Planner | None,
+    bank: MemoryBank | None,
+    settings: RolloutSettings,
+    greedy: bool = False,
+    version: int = 0,
+    generator: torch.Generator | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> list[Trajectory]:
+    """Play one episode per env of ``pool`` (``len(seeds) == len(pool)``) to the end."""
+    if len(seeds) != len(pool) or len(groups) != len(pool):
+        raise ValueError(f"collect needs one seed and group per env: {len(pool)} envs, "
+                         f"{len(seeds)} seeds, {len(groups)} groups")
+    hierarchical = settings.hierarchical and planner is not None
+    observations = pool.reset(seeds)
+    states = [
+        _EnvState(Trajectory(group=g, seed=s, mission=o.mission), o, subgoal=o.mission,
+                  needs_plan=hierarchical)
+        for s, g, o in zip(seeds, groups, observations)
+    ]
+    active = list(range(len(pool)))
+    while active:
+        if hierarchical:
+            _planner_turns(pool, states, [i for i in active if states[i].needs_plan], planner,
+                           bank, settings, greedy, version, generator)
+        _executor_turns(pool, states, active, executor, settings, hierarchical, greedy, version,
+                        generator)
+        active = [i for i in active if not states[i].trajectory.turns[-1].done]
+        if on_step is not None:
+            on_step(len(pool) - len(active))
+    return [s.trajectory for s in states]
+
+
+def _planner_turns(pool, states, idx, planner, bank, settings, greedy, version, generator) -> None:
+    if not idx:
+        return
+    skills: list[list[str]] = [[] for _ in idx]
+    retrievals: list = [None] * len(idx)
+    if bank is not None and len(bank) > 0:
+        queries = [f"{states[i].observation.mission}. {states[i].observation.text}" for i in idx]
+        picked = sample_retrievals(
+            bank, planner.query_adapter, queries, n=settings.retrieval_candidates,
+            k=settings.retrieval_k, temperature=settings.retrieval_temperature,
+            generator=generator, greedy=greedy or not settings.learn_retrieval,
+        )
+        for j, (texts, retrieval) in enumerate(picked):
+            skills[j] = texts
+            retrievals[j] = retrieval if settings.learn_retrieval else None
+    options = [states[i].observation.subgoals for i in idx]
+    show = options if planner.mode == "generate" else [None] * len(idx)
+    prompts = [
+        planner.prompt_ids(planner_text(states[i].observation.mission, states[i].observation.text,
+                                        skills[j], show[j], states[i].planner_feedback))
+        for j, i in enumerate(idx)
+    ]
+    turns = planner.act(prompts, options, greedy, generator, version)
+    feedback = pool.set_subgoals({i: t.text for i, t in zip(idx, turns)})
+    for j, (i, turn) in enumerate(zip(idx, turns)):
+        state = states[i]
+        turn.segment, turn.retrieval = state.segment, retrievals[j]
+        state.trajectory.turns.append(turn)
+        state.plan_turn, state.subgoal = turn, turn.text
+        state.needs_plan, state.segment_steps = False, 0
+        # an ungrounded subgoal still gets its segment (it cannot complete), so the
+        # episode always moves on; the planner sees the feedback next time
+        state.planner_feedback = feedback.get(i, "")
+        if state.planner_feedback:
+            state.trajectory.invalid_actions += 1
+            turn.reward -= pool.envs[i].invalid_penalty
+
+
+def _executor_turns(pool, states, idx, executor, settings, hierarchical, greedy, version,
+                    generator) -> None:
+    options = [states[i].observation.actions for i in idx]
+    show = options if executor.mode == "generate" else [None] * len(idx)
+    prompts = [
+        executor.prompt_ids(executor_text(states[i].subgoal, states[i].observation.text, show[j],
+                                          states[i].executor_feedback))
+        for j, i in enumerate(idx)
+    ]
+    turns = executor.act(prompts, options, greedy, generator, version)
+    results = pool.step({i: t.text for i, t in zip(idx, turns)})
+    for i, turn in zip(idx, turns):
+        state, result = states[i], results[i]
+        trajectory = state.trajectory
+        achieved = hierarchical and result.subgoal_done
+        turn.reward = result.reward + (settings.intrinsic_reward if achieved else 0.0)
+        turn.segment, turn.done = state.segment, result.done
+        trajectory.turns.append(turn)
+        trajectory.length += 1
+        trajectory.env_return += result.reward
+        trajectory.invalid_actions += int(result.invalid)
+        trajectory.subgoals_done += int(achieved)
+        if state.plan_turn is not None:
+            state.plan_turn.reward += result.reward  # the segment's extrinsic return
+        state.observation, state.executor_feedback = result.observation, result.feedback
+        state.segment_steps += 1
+        if result.done:
+            trajectory.success = result.success
+            if state.plan_turn is not None:
+                state.plan_turn.done = True
+        elif hierarchical and (achieved or state.segment_steps >= settings.max_subgoal_steps):
+            state.needs_plan = True
+            state.segment += 1

@@ -1,0 +1,172 @@
+"""The data that travels between stages: observations, turns, trajectories and batches.
+
+This is the only module that defines shared dataclasses. Every stage takes and returns
+these; no stage reaches into another stage's internals.
+
+Conventions (the same names everywhere):
+  * ``logprobs``      log-probabilities under the policy being trained
+  * ``old_logprobs``  behaviour log-probabilities, recorded at rollout time
+  * ``mask``          1 for positions that count, 0 for padding
+  * ``advantages``    one float per turn, shared by all of the turn's tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Role = Literal["planner", "executor"]
+ROLES: tuple[Role, ...] = ("planner", "executor")
+
+
+@dataclass
+class Observation:
+    """What an environment shows the agent after ``reset`` or ``step``.
+
+    Attributes:
+        mission: The episode's instruction, e.g. ``"go to the red ball"``.
+        text: A text description of what the agent perceives now.
+        actions: Admissible primitive actions as words (the executor's candidates).
+        subgoals: Subgoals that can be grounded in the current view (the planner's candidates).
+    """
+
+    mission: str
+    text: str
+    actions: list[str]
+    subgoals: list[str]
+
+
+@dataclass
+class StepResult:
+    """One environment transition.
+
+    Attributes:
+        observation: The observation after the action.
+        reward: Extrinsic environment reward for this step (penalties included).
+        done: Whether the episode ended (success, failure or truncation).
+        success: Whether the episode ended with the mission accomplished.
+        subgoal_done: Whether the executor's current subgoal was achieved by this step.
+        invalid: Whether the action could not be parsed or grounded; the env did not move.
+        feedback: A short message for the agent when the action was invalid, else ``""``.
+    """
+
+    observation: Observation
+    reward: float
+    done: bool
+    success: bool = False
+    subgoal_done: bool = False
+    invalid: bool = False
+    feedback: str = ""
+
+
+@dataclass
+class Retrieval:
+    """A stochastic memory retrieval that is part of a planner turn.
+
+    The query adapter maps ``query`` into the key space; the choice is a softmax over the
+    adapted similarities to ``keys`` with ``temperature``, sampled without replacement.
+    Keys are copied in so that the log-probability can be recomputed after the bank moved on.
+
+    Attributes:
+        query: Frozen encoder embedding of the query text. ``[D]``
+        keys: Candidate key embeddings, as stored in the bank. ``[N, D]``
+        entry_ids: Bank ids of the N candidates.
+        chosen: Positions in ``0..N-1`` of the chosen entries, in the order they were drawn.
+        old_logprob: Log-probability of that ordered choice under the behaviour adapter.
+        temperature: Softmax temperature used for the choice.
+    """
+
+    query: list[float]
+    keys: list[list[float]]
+    entry_ids: list[int]
+    chosen: list[int]
+    old_logprob: float
+    temperature: float
+
+
+@dataclass
+class Turn:
+    """One output of the planner or of the executor, with everything training needs.
+
+    Token ids are carried from rollout into training as they are, never re-derived.
+
+    ``score`` mode: ``candidate_ids`` holds the token ids of every candidate string and
+    ``chosen`` the index sampled; ``old_logprobs`` has one entry, the log-probability of the
+    chosen candidate under the candidate softmax. ``generate`` mode: ``action_ids`` are the
+    sampled tokens and ``old_logprobs`` their per-token behaviour log-probabilities.
+
+    Attributes:
+        role: ``"planner"`` or ``"executor"``.
+        prompt_ids: Token ids of the prompt the policy saw.
+        action_ids: Token ids of the output (the chosen candidate in score mode).
+        old_logprobs: Behaviour log-probabilities (see above).
+        text: The output as text (subgoal or action).
+        reward: Reward credited to this turn before advantage estimation.
+        done: Whether the episode ended after this turn.
+        policy_version: Optimizer step of the weights that produced the turn.
+        candidate_ids: Score mode only: token ids of every candidate.
+        chosen: Score mode only: index of the chosen candidate, else ``-1``.
+        segment: Index of the planner segment this turn belongs to.
+        retrieval: The memory retrieval made in this turn (planner only), if any.
+        advantage: Filled in by the objectives stage.
+    """
+
+    role: Role
+    prompt_ids: list[int]
+    action_ids: list[int]
+    old_logprobs: list[float]
+    text: str
+    reward: float = 0.0
+    done: bool = False
+    policy_version: int = 0
+    candidate_ids: list[list[int]] | None = None
+    chosen: int = -1
+    segment: int = 0
+    retrieval: Retrieval | None = None
+    advantage: float = 0.0
+
+
+@dataclass
+class Trajectory:
+    """One episode: its turns in order and its outcome.
+
+    Attributes:
+        turns: Planner and executor turns, in the order they happened.
+        group: Id of the GRPO group (rollouts that share an env seed share a group).
+        seed: The environment seed of the episode.
+        mission: The episode's mission.
+        success: Whether the mission was accomplished.
+        env_return: Sum of extrinsic rewards.
+        length: Number of environment steps.
+        invalid_actions: Number of actions that could not be parsed or grounded.
+        subgoals_done: Number of planner subgoals the executor achieved.
+    """
+
+    turns: list[Turn] = field(default_factory=list)
+    group: int = 0
+    seed: int = 0
+    mission: str = ""
+    success: bool = False
+    env_return: float = 0.0
+    length: int = 0
+    invalid_actions: int = 0
+    subgoals_done: int = 0
+
+    def of(self, role: Role) -> list[Turn]:
+        return [t for t in self.turns if t.role == role]
+
+
+@dataclass
+class Batch:
+    """A set of trajectories collected together, the unit a training step consumes.
+
+    Attributes:
+        trajectories: The episodes.
+        policy_version: Optimizer step of the weights that collected them.
+    """
+
+    trajectories: list[Trajectory]
+    policy_version: int = 0
+
+    def turns(self, role: Role | None = None) -> list[Turn]:
+        return [t for tr in self.trajectories for t in tr.turns if role is None or t.role == role]

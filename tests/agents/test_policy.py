@@ -1,0 +1,50 @@
+"""Policies record behaviour log-probs that training recomputes exactly from the same ids."""
+
+import torch
+
+from hieragent.agents.policy import Executor, Planner
+
+
+def test_score_mode_ratio_is_one_at_the_rollout_weights(tiny_lm, tokenizer):
+    ex = Executor(mode="score")
+    ex.bind(tiny_lm, tokenizer)
+    prompts = [ex.prompt_ids("Subgoal: go to the red ball\nYou see a red ball 2 steps forward."),
+               ex.prompt_ids("Subgoal: explore\nYou see a wall 1 step left.")]
+    opts = [["turn left", "turn right", "go forward"], ["go forward", "toggle"]]
+    turns = ex.act(prompts, opts, generator=torch.Generator().manual_seed(0))
+    new = ex.turn_logprobs(turns)
+    for t, o, lp in zip(turns, opts, new):
+        assert t.text == o[t.chosen]
+        assert t.action_ids == t.candidate_ids[t.chosen]
+        assert t.prompt_ids in prompts
+        assert lp.shape == (1,)
+        assert abs(lp.item() - t.old_logprobs[0]) < 1e-5
+
+
+def test_adapters_are_distinct_policies_and_reference_disables_them(tiny_lm, tokenizer):
+    planner, executor = Planner(), Executor()
+    for p in (planner, executor):
+        p.bind(tiny_lm, tokenizer)
+    prompt = [executor.prompt_ids("Subgoal: go to the red ball")]
+    opts = [["turn left", "go forward", "pick up"]]
+    turns = executor.act(prompt, opts, greedy=True)
+    as_executor = executor.turn_logprobs(turns)[0]
+    with planner.active():
+        as_planner = executor._recorded_logprobs(turns)[0]
+    reference = executor.reference_logprobs(turns)[0]
+    assert not torch.allclose(as_executor, as_planner)
+    assert not torch.allclose(as_executor, reference)
+
+
+def test_generate_mode_carries_sampled_ids_and_their_logprobs(tiny_lm, tokenizer):
+    torch.manual_seed(0)
+    ex = Executor(mode="generate", max_new_tokens=5)
+    ex.bind(tiny_lm, tokenizer)
+    prompts = [ex.prompt_ids("Subgoal: go to the red ball"), ex.prompt_ids("Subgoal: explore the room now")]
+    turns = ex.act(prompts, [[], []])
+    new = ex.turn_logprobs(turns)
+    for t, lp in zip(turns, new):
+        assert 1 <= len(t.action_ids) <= 5
+        assert len(t.old_logprobs) == len(t.action_ids) == len(lp)
+        # generation (cached, left-padded) and training (prefix-cached) agree on the same ids
+        torch.testing.assert_close(lp, torch.tensor(t.old_logprobs), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,34 @@
+"""Shared fixtures: the tiny random Llama (with SmolLM2's tokenizer) loaded once."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from hieragent.models.loading import load_tokenizer
+
+    return load_tokenizer("tiny")
+
+
+@pytest.fixture()
+def tiny_lm(tokenizer):
+    """A fresh tiny model with planner and executor adapters, adapter B weights randomised
+    so that the adapters actually change the output."""
+    import torch
+
+    from hieragent.models.loading import load_causal_lm
+    from hieragent.models.lora import LoraSettings, add_adapters
+
+    lm = add_adapters(load_causal_lm("tiny", seed=0), ["planner", "executor"], LoraSettings(r=4))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    lm.eval()
+    return lm

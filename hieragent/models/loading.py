@@ -96,17 +96,24 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def tiny_config(vocab_size: int, seed_hidden: int = 64) -> LlamaConfig:
-    """A few-layer Llama small enough that a test's forward pass takes milliseconds."""
+def tiny_config(vocab_size: int, hidden: int = 32) -> LlamaConfig:
+    """A two-layer Llama small enough that a test's forward pass takes milliseconds.
+
+    The weights are drawn with std ``1/sqrt(hidden)`` rather than Llama's 0.02. With the
+    usual 0.02, a tied embedding of width 32 bounds every logit gap to about one nat, so
+    no adapter could make the policy prefer one action clearly, and an RL test would
+    measure the initialisation instead of the learning.
+    """
     return LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=seed_hidden,
-        intermediate_size=2 * seed_hidden,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
+        initializer_range=hidden ** -0.5,
     )
 
 

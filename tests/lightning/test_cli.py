@@ -1,28 +1,14 @@
 """`hieragent fit|test` end to end on configs/tiny.yaml, in real subprocesses."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run(args, cwd):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "hieragent.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+from cli_helpers import REPO, make_workspace, run_cli as run
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("run")
-    (d / "configs").symlink_to(REPO / "configs")
-    (d / "data").symlink_to(REPO / "data")
-    return d
+    return make_workspace(tmp_path_factory.mktemp("run"))
 
 
 def test_fit_writes_checkpoint_then_test_and_resume(workdir):
@@ -56,13 +42,11 @@ def test_fit_writes_checkpoint_then_test_and_resume(workdir):
     (["--data.env", "BabyAI-Foo-v0"], "BabyAI-Foo-v0"),
     (["--ckpt_path", "missing.ckpt"], "missing.ckpt"),
 ])
-def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, args, expected):
-    (tmp_path / "configs").symlink_to(REPO / "configs")
-    (tmp_path / "data").symlink_to(REPO / "data")
-    out = run(["fit", "--config", "configs/tiny.yaml", *args], tmp_path)
+def test_bad_input_fails_clearly_and_writes_nothing(workspace, args, expected):
+    out = run(["fit", "--config", "configs/tiny.yaml", *args], workspace)
     assert out.returncode != 0
     assert expected in out.stderr
-    assert not (tmp_path / "lightning_logs").exists()
+    assert not (workspace / "lightning_logs").exists()
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))

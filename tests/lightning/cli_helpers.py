@@ -1,0 +1,21 @@
+"""Running the ``hieragent`` CLI in a subprocess, from a scratch directory."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(args, cwd, timeout=600):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "hieragent.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def make_workspace(path: Path) -> Path:
+    """A directory with the repo's configs and data, so relative paths resolve as in a clone."""
+    (path / "configs").symlink_to(REPO / "configs")
+    (path / "data").symlink_to(REPO / "data")
+    return path

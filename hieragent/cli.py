@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,28 @@ def _list_envs() -> None:
     print("\n".join(known_envs()))
 
 
+# Lightning notices that are expected here and would bury the run's own output.
+_EXPECTED_WARNINGS = (
+    # training_step pulls its batch from the iterator, once per step, on purpose: rollouts
+    # must use the weights of the current step, which Lightning's prefetching would not give
+    r".*`dataloader_iter`",
+    # the rollout dataset has a length for the progress bar, and is never split over workers
+    r"Your `IterableDataset` has `__len__` defined",
+    # raised inside Lightning's own pytree helper under recent torch
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    # checkpoints are meant to hold the weights after the step's update
+    r"Using ModelCheckpoint with manual optimization",
+)
+
+
+def quiet_expected_warnings() -> None:
+    for pattern in _EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
 def main(args: list[str] | None = None) -> None:
     set_offline()
+    quiet_expected_warnings()
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["envs"]:
         _list_envs()

@@ -93,6 +93,7 @@ class HierAgentModule(L.LightningModule):
         roles = ["planner", "executor"] if self.hierarchical else ["executor"]
         self.tokenizer = load_tokenizer(model)
         self.lm = add_adapters(load_causal_lm(model, seed=model_seed), roles, lora)
+        self.lm.train()  # from_pretrained returns eval mode; Lightning keeps modes as found
         self.executor = Executor(mode=executor_mode, temperature=temperature,
                                  score_reduction=score_reduction)
         self.executor.bind(self.lm, self.tokenizer)

@@ -7,7 +7,7 @@ CONFIG ?= configs/babyai_hier.yaml
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hieragent-installed
 
-.PHONY: install train train-flat test test-slow clean
+.PHONY: install train train-flat test test-slow bench-objective clean
 
 install: $(STAMP)
 
@@ -31,6 +31,10 @@ test: install
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+# stale off-policy training with three objectives; prints a table (see hieragent/bench/objective.py)
+bench-objective: install
+	$(BIN)/python -m hieragent.bench.objective
 
 clean:
 	rm -rf lightning_logs .pytest_cache

@@ -36,7 +36,23 @@ class HierAgentCLI(LightningCLI):
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins = [*plugins, AtomicCheckpointIO()]
-        return super().instantiate_trainer(plugins=plugins, **kwargs)
+        trainer = super().instantiate_trainer(plugins=plugins, **kwargs)
+        align_logger_versions(trainer.loggers)
+        return trainer
+
+
+def align_logger_versions(loggers: list) -> None:
+    """Loggers that share a directory write into one run folder, the first logger's.
+
+    Each logger otherwise picks the next free ``version_N`` on its own, and a TensorBoard
+    plus CSV pair ends up split over two folders, with the checkpoints in only one.
+    """
+    if len(loggers) < 2:
+        return
+    first = loggers[0]
+    for other in loggers[1:]:
+        if hasattr(other, "_version") and other.root_dir == first.root_dir:
+            other._version = first.version  # both loggers keep the version in _version
 
 
 def check_checkpoint(path: str) -> None:

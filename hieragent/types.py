@@ -108,6 +108,12 @@ class Turn:
         chosen: Score mode only: index of the chosen candidate, else ``-1``.
         segment: Index of the planner segment this turn belongs to.
         retrieval: The memory retrieval made in this turn (planner only), if any.
+        state_key: A string that is equal for turns taken in identical states, set by the
+            rollout: planner, mission and view; executor, subgoal and view (no skills, no
+            feedback). A partial view can alias two env states. GiGPO's anchor states and
+            the value head's features use it; ``""`` means unknown.
+        trainer_logprobs: The trainer's own recomputation of ``old_logprobs`` at the rollout
+            weights, when truncated IS asks for it (the engine's can differ at equal weights).
         advantage: Filled in by the objectives stage.
     """
 
@@ -123,6 +129,8 @@ class Turn:
     chosen: int = -1
     segment: int = 0
     retrieval: Retrieval | None = None
+    state_key: str = ""
+    trainer_logprobs: list[float] | None = None
     advantage: float = 0.0
 
 

@@ -108,7 +108,7 @@ class RolloutDataModule(L.LightningDataModule):
         # training seeds wrap below the held-out range, so they never meet it
         seeds = [(self.next_seed + j) % EVAL_SEED_OFFSET for j in range(s) for _ in range(g)]
         self.next_seed += s
-        return module.collect(self.train_pool(), seeds, groups=seeds)
+        return module.collect_train(self.train_pool(), seeds, groups=seeds)
 
     def eval_batches(self, module, progress: Progress | None = None) -> Iterator[Batch]:
         """Held-out episodes, in chunks of ``eval_batch``, with a fixed sampling seed."""

@@ -4,11 +4,13 @@ One training step (manual optimization, because the two policies run the shared 
 different adapters, each forward needing its own backward):
 
     batch of trajectories (from the DataModule's rollouts with the current policy)
-      -> group-normalised advantages per role
+      -> (KL as reward) -> advantages per role (GRPO, RLOO, GiGPO or GAE)
+      -> into the replay buffer; batches older than ``max_staleness`` are dropped
       -> for each of ``updates_per_batch`` optimizer steps, per role, per micro-batch:
-         recompute log-probs of the recorded token ids, clipped turn-level loss + KL,
-         backward
-      -> one optimizer step over three param groups (planner, executor, query adapter)
+         recompute log-probs of the recorded token ids, clipped loss + KL, backward
+      -> per role, the clipping-triggered normalization scales that role's gradient
+      -> one optimizer step over the param groups (planner, executor, query adapter);
+         a non-finite loss or gradient skips the step and leaves weights and state alone
       -> bank update: skills from successful episodes, utilities of the skills used
 
 The ``__init__`` signature is the config: LightningCLI turns it into YAML and ``--help``.
@@ -16,6 +18,7 @@ The ``__init__`` signature is the config: LightningCLI turns it into YAML and ``
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from pathlib import Path
@@ -31,12 +34,21 @@ from hieragent.memory.bank import MemoryBank
 from hieragent.memory.settings import MemorySettings
 from hieragent.models.loading import load_causal_lm, load_tokenizer
 from hieragent.models.lora import LoraSettings, add_adapters, adapter_parameters
-from hieragent.objectives.advantages import assign_advantages
-from hieragent.objectives.update import ObjectiveSettings, chunk_loss, count_tokens
+from hieragent.lightning.offpolicy import AdapterSnapshots, record_trainer_logprobs, subtract_kl_reward
+from hieragent.objectives.advantages import AdvantageSettings, assign_advantages
+from hieragent.objectives.losses import clip_normalization_scale
+from hieragent.objectives.update import ObjectiveSettings, role_loss, role_turns, sample_minibatch
+from hieragent.objectives.value import TurnValueHead, turn_features, value_loss, value_targets
+from hieragent.memory.encoder import embedding_dim, load_encoder
 from hieragent.rollout.loop import RolloutSettings, collect
-from hieragent.types import Batch, Trajectory, Turn
+from hieragent.rollout.replay import ReplayBuffer, ReplaySettings, staleness
+from hieragent.types import Batch, Trajectory
 
-TRAINABLE_MARKERS = ("lora_", "planner.query_adapter.")
+log = logging.getLogger(__name__)
+# which roles' gradients each optimizer param group carries
+GROUP_ROLE = {"executor": "executor", "planner": "planner", "query_adapter": "planner", "value": "value"}
+
+TRAINABLE_MARKERS = ("lora_", "planner.query_adapter.", "value_head.")
 
 
 def episode_metrics() -> MetricCollection:
@@ -58,10 +70,13 @@ class HierAgentModule(L.LightningModule):
         score_reduction: Score mode: ``sum`` (GLAM) or ``mean`` of candidate token log-probs.
         rollout: How episodes are played (hierarchy, subgoal budget, retrieval).
         objective: The clipped turn-level objective and its optimisation.
+        advantage: How turn credits become advantages.
+        replay: Reuse of rollouts across updates: updates per batch, staleness, lag.
         memory: The skill bank.
         lr_planner: Learning rate of the planner adapter.
         lr_executor: Learning rate of the executor adapter.
         lr_query: Learning rate of the memory query adapter.
+        lr_value: Learning rate of the turn value head (``advantage.estimator: gae`` only).
         weight_decay: AdamW weight decay for every group.
     """
 
@@ -76,10 +91,13 @@ class HierAgentModule(L.LightningModule):
         score_reduction: str = "sum",
         rollout: RolloutSettings = RolloutSettings(),
         objective: ObjectiveSettings = ObjectiveSettings(),
+        advantage: AdvantageSettings = AdvantageSettings(),
+        replay: ReplaySettings = ReplaySettings(),
         memory: MemorySettings = MemorySettings(),
         lr_planner: float = 1e-4,
         lr_executor: float = 1e-4,
         lr_query: float = 1e-3,
+        lr_value: float = 1e-3,
         weight_decay: float = 0.0,
     ) -> None:
         super().__init__()
@@ -88,6 +106,9 @@ class HierAgentModule(L.LightningModule):
         # checkpoints hold the adapters only, not the frozen base model
         self.strict_loading = False
         self.rollout_settings, self.objective, self.memory_settings = rollout, objective, memory
+        self.advantage, self.replay_settings = advantage, replay
+        self.replay = ReplayBuffer(replay.max_staleness, replay.max_batches)
+        self.snapshots = AdapterSnapshots(replay.rollout_lag)
         self.hierarchical = rollout.hierarchical
 
         roles = ["planner", "executor"] if self.hierarchical else ["executor"]
@@ -108,6 +129,11 @@ class HierAgentModule(L.LightningModule):
             if memory.seed_file:
                 self.bank.seed_from_jsonl(_resolve_data(memory.seed_file))
 
+        self.value_head: TurnValueHead | None = None
+        if advantage.estimator == "gae":  # ArCHer-style turn critic on frozen state embeddings
+            self.value_head = TurnValueHead(embedding_dim(load_encoder(memory.embedder)))
+        self._value_batch = None
+
         self.train_metrics = episode_metrics().clone(prefix="train/")
         self.val_metrics = episode_metrics().clone(prefix="val/")
         self.test_metrics = episode_metrics().clone(prefix="test/")
@@ -121,17 +147,33 @@ class HierAgentModule(L.LightningModule):
 
     @torch.no_grad()
     def collect(self, pool, seeds: list[int], groups: list[int], greedy: bool = False,
-                generator: torch.Generator | None = None, on_step=None) -> Batch:
-        """Roll out the current policies; the DataModule calls this for its batches."""
+                generator: torch.Generator | None = None, on_step=None,
+                version: int | None = None) -> Batch:
+        """Roll out the current policies (evaluation, and training through ``collect_train``)."""
+        version = self.global_step if version is None else version
         was_training = self.lm.training
         self.lm.eval()
         try:
             trajectories = collect(pool, seeds, groups, self.executor, self.planner, self.bank,
-                                   self.rollout_settings, greedy, self.global_step, generator,
-                                   on_step)
+                                   self.rollout_settings, greedy, version, generator, on_step)
         finally:
             self.lm.train(was_training)
-        return Batch(trajectories, policy_version=self.global_step)
+        return Batch(trajectories, policy_version=version)
+
+    def collect_train(self, pool, seeds: list[int], groups: list[int]) -> Batch:
+        """A training batch: with the lagged weights if ``replay.rollout_lag`` asks for them,
+        and with the trainer's own behaviour log-probs if truncated IS needs them."""
+        params = self.trainable_parameters()
+        self.snapshots.push(self.global_step, params)
+        with self.snapshots.lagged(self.global_step, params) as version:
+            batch = self.collect(pool, seeds, groups, version=version)
+            if self.objective.tis_cap is not None:
+                for role, policy in self.policies():
+                    record_trainer_logprobs(policy, batch.turns(role), self.objective.micro_batch_turns)
+        return batch
+
+    def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self.named_parameters() if any(m in n for m in TRAINABLE_MARKERS)}
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         return batch  # plain Python data; tensors are built per micro-batch on the LM's device
@@ -145,6 +187,9 @@ class HierAgentModule(L.LightningModule):
                            "lr": self.hparams.lr_planner, "name": "planner"})
             groups.append({"params": list(self.planner.query_adapter.parameters()),
                            "lr": self.hparams.lr_query, "name": "query_adapter"})
+        if self.value_head is not None:
+            groups.append({"params": list(self.value_head.parameters()), "lr": self.hparams.lr_value,
+                           "name": "value"})
         return torch.optim.AdamW(groups, weight_decay=self.hparams.weight_decay)
 
     def training_step(self, dataloader_iter) -> None:
@@ -152,65 +197,98 @@ class HierAgentModule(L.LightningModule):
         # weights: Lightning would otherwise prefetch it one optimizer step early
         batch: Batch = next(dataloader_iter)[0]
         self._episodes = len(batch.trajectories)
-        assign_advantages(batch, self.objective.gamma, self.objective.scale_by_std)
-        for _ in range(self.objective.updates_per_batch):
-            self._update(batch)
+        if self.objective.kl_coef > 0 and self.objective.kl_mode == "reward":
+            for role, policy in self.policies():
+                penalty = subtract_kl_reward(policy, batch.turns(role), self.objective.kl_coef,
+                                             self.objective.kl_estimator, self.objective.micro_batch_turns)
+                self.log(f"{role}/kl_reward", penalty, on_step=True, batch_size=self._episodes)
+        values = self._values(batch)
+        assign_advantages(batch, settings=self.advantage, values=values)
+        self.replay.add(batch)
+        batches = self.replay.retained(self.global_step)
+        self.log_dict({"replay/batches": float(len(batches)),
+                       "replay/dropped_turns": float(self.replay.dropped_turns)},
+                      on_step=True, on_epoch=False, batch_size=self._episodes)
+        for _ in range(self.replay_settings.updates_per_batch):
+            if self._update(batches) and self.replay.discard_nonfinite():
+                # corrupt data is dropped, not retried: it would fail every later update too
+                batches = self.replay.retained(self.global_step)
         self._log_episodes(batch.trajectories, self.train_metrics)
         self._update_bank(batch)
 
-    def _update(self, batch: Batch) -> None:
+    def _values(self, batch: Batch) -> torch.Tensor | None:
+        """GAE only: the critic's values of the batch's turns, and its regression targets."""
+        if self.value_head is None:
+            return None
+        turns = batch.turns()
+        features = turn_features(turns, load_encoder(self.memory_settings.embedder))  # [N, D]
+        roles = [t.role for t in turns]
+        with torch.no_grad():
+            values = self.value_head(features, roles)  # [N]
+        targets = value_targets(batch, values, self.advantage.gamma, self.advantage.gae_lambda)
+        self._value_batch = (features, roles, targets)
+        return values
+
+    def _update(self, batches: list[Batch]) -> str | None:
+        """One optimizer step on ``batches``; returns why it was skipped, if it was."""
         opt = self.optimizers()
         opt.zero_grad()
         stats: dict[str, float] = {}
-        finite = True
+        scales: dict[str, float] = {}
+        skip: str | None = None  # why this step must not touch the weights
+        settings, version = self.objective, self.global_step
         for role, policy in self.policies():
-            turns = self._minibatch(batch.turns(role))
-            if not turns:
+            items = sample_minibatch(role_turns(batches, role), settings.minibatch_turns,
+                                     whole_sequences=settings.level == "sequence")
+            if not items.turns:
                 continue
-            denominator = count_tokens(turns)
-            sums = {"policy": 0.0, "kl": 0.0, "clipped": 0, "tokens": 0, "ratio": 0.0}
-            rmax, rmin = 0.0, math.inf
-            size = self.objective.micro_batch_turns
-            for start in range(0, len(turns), size):
-                chunk = turns[start:start + size]
-                ref = policy.reference_logprobs(chunk) if self.objective.kl_coef > 0 else None
-                part = chunk_loss(policy.turn_logprobs(chunk), ref, chunk, self.objective, denominator)
-                if not torch.isfinite(part.loss):
-                    finite = False
-                    break
-                self.manual_backward(part.loss)
-                sums["policy"] += part.policy_sum
-                sums["kl"] += part.kl_sum
-                sums["clipped"] += part.clipped
-                sums["tokens"] += part.tokens
-                sums["ratio"] += part.ratio_sum
-                rmax, rmin = max(rmax, part.ratio_max), min(rmin, part.ratio_min)
-            n = max(sums["tokens"], 1)
-            stats.update({f"{role}/loss": sums["policy"] / n, f"{role}/kl": sums["kl"] / n,
-                          f"{role}/clip_frac": sums["clipped"] / n,
-                          f"{role}/ratio_mean": sums["ratio"] / n, f"{role}/ratio_max": rmax,
-                          f"{role}/ratio_min": rmin if rmin < math.inf else 1.0,
-                          f"{role}/turns": float(len(turns))})
+            role_stats = role_loss(policy, items, settings, self.manual_backward)
+            if not role_stats.finite:
+                skip = f"non-finite {role} loss (log-probs, ratios or advantages)"
+                break
+            stats.update(role_stats.logged(role))
+            lags = staleness(items.turns, self.global_step)
+            stats[f"{role}/staleness_mean"] = sum(lags) / len(lags)
+            stats[f"{role}/staleness_max"] = float(max(lags))
+            if settings.tis_cap is not None:
+                stats[f"{role}/logprob_gap"] = role_stats.gap_sum / max(role_stats.tokens, 1)
+            if settings.clip_normalization:
+                scales[role] = clip_normalization_scale(role_stats.bias_sum, role_stats.adv_sum,
+                                                        settings.clip_norm_strength)
+                stats[f"{role}/clip_norm_scale"] = scales[role]
+                stats[f"{role}/clip_norm_triggered"] = float(scales[role] < 1.0)
+        if skip is None and self._value_batch is not None:
+            features, roles, targets = self._value_batch
+            v_loss = value_loss(self.value_head(features, roles), targets)
+            self.manual_backward(v_loss)
+            stats["value/loss"] = float(v_loss.detach())
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            params, self.objective.max_grad_norm if self.objective.max_grad_norm > 0 else math.inf
-        ) if params else torch.zeros(())
-        if finite and torch.isfinite(grad_norm):
+        grad_norm = torch.tensor(math.nan)
+        if skip is None and not params:
+            skip = "no turns to train on"
+        if skip is None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                params, settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf)
+            if not torch.isfinite(grad_norm):
+                skip = "non-finite gradient norm"
+        if skip is None:
+            for group in opt.param_groups:  # after the norm clip, so the shrink is not undone
+                scale = scales.get(GROUP_ROLE[group["name"]], 1.0)
+                for p in group["params"]:
+                    if p.grad is not None and scale != 1.0:
+                        p.grad.mul_(scale)
             opt.step()
-            stats["train/skipped_step"] = 0.0
         else:
             # a NaN or inf never reaches the weights or the optimizer state
+            log.warning("step %d: %s; the step is skipped", self.global_step, skip)
             opt.zero_grad()
-            stats["train/skipped_step"] = 1.0
+        stats["train/skipped_step"] = float(skip is not None)
         stats["train/grad_norm"] = float(grad_norm)
-        self.log_dict(stats, on_step=True, on_epoch=False, batch_size=self._episodes)
-
-    def _minibatch(self, turns: list[Turn]) -> list[Turn]:
-        size = self.objective.minibatch_turns
-        if size is None or len(turns) <= size:
-            return turns
-        picks = torch.randperm(len(turns))[:size].tolist()
-        return [turns[i] for i in sorted(picks)]
+        # straight to the loggers, one row per update: ``self.log`` keeps only the last of
+        # several updates in one training step
+        for logger in self.loggers:
+            logger.log_metrics(stats, step=version)
+        return skip
 
     def _update_bank(self, batch: Batch) -> None:
         if self.bank is None:
@@ -258,6 +336,7 @@ class HierAgentModule(L.LightningModule):
             del state[key]
         checkpoint["hieragent"] = {
             "bank": self.bank.state_dict() if self.bank is not None else None,
+            "replay": self.replay.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_state(),
                     "python": list(random.getstate()[1]), "python_pos": random.getstate()[2]},
         }
@@ -272,6 +351,8 @@ class HierAgentModule(L.LightningModule):
         extra = checkpoint.get("hieragent", {})
         if self.bank is not None and extra.get("bank") is not None:
             self.bank.load_state_dict(extra["bank"])
+        if extra.get("replay") is not None:
+            self.replay.load_state_dict(extra["replay"])
         rng = extra.get("rng")
         if rng:
             torch.set_rng_state(rng["torch"])

@@ -1,21 +1,42 @@
-"""From recorded turns to a scalar loss: padding, the clipped objective, KL, statistics.
+"""From recorded turns to the loss of one role: padding, grouping, the objective, statistics.
 
 This is the glue between ``Turn`` lists and the tensor math of ``losses.py``; it never
-touches an optimizer. The loss of one role is a token-mean over *all* of that role's
-turns in the update, even when the turns are fed in micro-batches: each micro-batch's
-sum is divided by the role's total token count.
+touches an optimizer. One update of a role:
+
+  * picks the role's turns (a minibatch, whole sequences when the level needs them), each
+    with its *sequence*: the trajectory it belongs to (GSPO's "whole response");
+  * computes per-row aggregation weights once for the whole update, so the loss does not
+    depend on how the turns are split into micro-batches;
+  * per micro-batch: recomputes log-probs of the recorded token ids, the clipped loss with
+    the configured IS level, dual clip and truncated-IS weights, the KL when it is a loss
+    term, and hands the scalar to ``backward``;
+  * returns sums for the logs and the clipping-bias sums of the normalization.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Literal
 
 import torch
 from torch import Tensor
 
-from hieragent.objectives.losses import clipped_policy_loss, kl_k3
-from hieragent.types import Turn
+from hieragent.objectives.losses import (
+    Aggregation,
+    KLEstimator,
+    Level,
+    aggregation_weights,
+    clip_bias_sums,
+    clipped_policy_loss,
+    kl_penalty,
+    logprob_gap,
+    truncated_is_weights,
+)
+from hieragent.types import Batch, Role, Turn
+
+TURN_INDEX_BUCKETS = 4  # clip fraction is logged for turn 0, 1, 2 and 3+ of each role
 
 
 @dataclass
@@ -23,30 +44,205 @@ class ObjectiveSettings:
     """The RL objective.
 
     Attributes:
-        level: Importance-sampling level: ``turn`` (default) or ``token`` (PPO).
+        level: Importance-sampling level: ``turn`` (default, ST-PPO), ``token`` (PPO) or
+            ``sequence`` (GSPO: one ratio per trajectory and role).
         eps_low: Lower clip range of the ratio.
         eps_high: Upper clip range of the ratio (clip-higher when above ``eps_low``).
-        kl_coef: Weight of the k3 KL to the reference (the LM with adapters disabled).
-        gamma: Discount of turn credits.
-        scale_by_std: Divide group-centred credits by the group's std (GRPO) or not.
-        updates_per_batch: Optimizer steps per rollout batch; after the first they are
-            off-policy and the clip does its work.
-        minibatch_turns: Turns per optimizer step, sampled from the batch per role;
-            ``None`` uses every turn.
+        dual_clip: Dual-clip bound ``c > 1`` for negative advantages; ``None`` is off.
+        tis_cap: Truncated importance sampling for the rollout-engine/trainer gap: the
+            trainer recomputes the behaviour log-probs at the rollout weights, clips its
+            ratio against those and weights each token by ``min(pi_trainer / pi_engine,
+            tis_cap)``. ``None`` is off (the engine's log-probs are the behaviour).
+        clip_normalization: Clipping-triggered normalization (after ST-PPO): a role's step
+            shrinks by ``1 / (1 + strength * bias)`` where ``bias`` measures what the clip
+            removed (see ``losses.clip_normalization_scale``). No clip, no change.
+        clip_norm_strength: ``strength`` above.
+        aggregation: ``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``.
+        kl_coef: Weight of the KL to the reference (the LM with adapters disabled).
+        kl_estimator: ``k1``, ``k2`` or ``k3`` (low variance, >= 0).
+        kl_mode: ``loss`` (a term of the loss) or ``reward`` (subtracted from each turn's
+            reward before advantages, from the behaviour log-probs).
+        minibatch_turns: Turns per optimizer step, sampled per role; ``None`` uses all.
         micro_batch_turns: Turns per forward pass (memory only; the gradient is the same).
         max_grad_norm: Gradient clipping by global norm; ``0`` turns it off.
     """
 
-    level: Literal["turn", "token"] = "turn"
+    level: Level = "turn"
     eps_low: float = 0.2
     eps_high: float = 0.28
+    dual_clip: float | None = None
+    tis_cap: float | None = None
+    clip_normalization: bool = False
+    clip_norm_strength: float = 1.0
+    aggregation: Aggregation = "token-mean"
     kl_coef: float = 0.01
-    gamma: float = 1.0
-    scale_by_std: bool = True
-    updates_per_batch: int = 1
+    kl_estimator: KLEstimator = "k3"
+    kl_mode: Literal["loss", "reward"] = "loss"
     minibatch_turns: int | None = None
     micro_batch_turns: int = 32
     max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.level not in ("token", "turn", "sequence"):
+            raise ValueError(f"model.objective.level must be token, turn or sequence, got {self.level!r}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"model.objective.dual_clip must be > 1 (or null), got {self.dual_clip}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"model.objective.tis_cap must be > 0 (or null), got {self.tis_cap}")
+        if self.micro_batch_turns < 1:
+            raise ValueError(f"model.objective.micro_batch_turns must be >= 1, got {self.micro_batch_turns}")
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.kl_coef > 0 and self.kl_mode == "loss"
+
+
+# -- which turns, grouped how ----------------------------------------------------------------
+@dataclass
+class RoleTurns:
+    """One role's turns for an update, each with its sequence id and turn index."""
+
+    turns: list[Turn] = field(default_factory=list)
+    sequence_ids: list[int] = field(default_factory=list)
+    turn_index: list[int] = field(default_factory=list)
+
+    def subset(self, rows: list[int]) -> RoleTurns:
+        return RoleTurns([self.turns[i] for i in rows], [self.sequence_ids[i] for i in rows],
+                         [self.turn_index[i] for i in rows])
+
+
+def role_turns(batches: list[Batch], role: Role) -> RoleTurns:
+    """Every turn of ``role`` in ``batches``; a trajectory is one sequence."""
+    out, seq = RoleTurns(), 0
+    for batch in batches:
+        for trajectory in batch.trajectories:
+            for k, turn in enumerate(trajectory.of(role)):
+                out.turns.append(turn)
+                out.sequence_ids.append(seq)
+                out.turn_index.append(k)
+            seq += 1
+    return out
+
+
+def sample_minibatch(items: RoleTurns, size: int | None, whole_sequences: bool,
+                     generator: torch.Generator | None = None) -> RoleTurns:
+    """At most ``size`` turns, drawn uniformly; whole sequences when the level needs them."""
+    if size is None or len(items.turns) <= size:
+        return items
+    if not whole_sequences:
+        picks = torch.randperm(len(items.turns), generator=generator)[:size].tolist()
+        return items.subset(sorted(picks))
+    rows_of: dict[int, list[int]] = defaultdict(list)
+    for i, s in enumerate(items.sequence_ids):
+        rows_of[s].append(i)
+    order = torch.randperm(len(rows_of), generator=generator).tolist()
+    seqs, rows = list(rows_of), []
+    for j in order:
+        if rows and len(rows) + len(rows_of[seqs[j]]) > size:
+            continue
+        rows.extend(rows_of[seqs[j]])
+    return items.subset(sorted(rows))
+
+
+def micro_batches(items: RoleTurns, size: int, whole_sequences: bool) -> list[list[int]]:
+    """Row indices per forward pass; a sequence is never split when ``whole_sequences``."""
+    if not whole_sequences:
+        return [list(range(a, min(a + size, len(items.turns)))) for a in range(0, len(items.turns), size)]
+    rows_of: dict[int, list[int]] = defaultdict(list)
+    for i, s in enumerate(items.sequence_ids):
+        rows_of[s].append(i)
+    out: list[list[int]] = []
+    for rows in rows_of.values():
+        if out and len(out[-1]) + len(rows) <= size:
+            out[-1].extend(rows)
+        else:
+            out.append(list(rows))
+    return out
+
+
+def old_logprobs_of(turn: Turn, trainer: bool = False) -> list[float]:
+    """Behaviour log-probs aligned with ``Planner.turn_logprobs``: retrieval comes last.
+
+    ``trainer=True`` gives the trainer's recomputation at the rollout weights where the
+    rollout recorded one (truncated IS), else the engine's own.
+    """
+    own = turn.trainer_logprobs if trainer and turn.trainer_logprobs is not None else turn.old_logprobs
+    extra = [turn.retrieval.old_logprob] if turn.retrieval is not None else []
+    return list(own) + extra
+
+
+def count_tokens(turns: list[Turn]) -> int:
+    return sum(len(old_logprobs_of(t)) for t in turns)
+
+
+# -- the loss of a micro-batch -----------------------------------------------------------------
+@dataclass
+class ChunkLoss:
+    """One micro-batch's contribution to the loss, and its sums for logging."""
+
+    loss: Tensor
+    policy_sum: float
+    kl_sum: float
+    clipped: int
+    tokens: int
+    ratio_sum: float
+    ratio_sq_sum: float
+    ratio_max: float
+    ratio_min: float
+    bias_sum: float
+    adv_sum: float
+    gap_sum: float
+    clipped_rows: list[int]  # clipped tokens per row
+    tokens_rows: list[int]  # real tokens per row
+
+
+def chunk_loss(logprobs: list[Tensor], ref_logprobs: list[Tensor] | None, turns: list[Turn],
+               row_weights: Tensor, settings: ObjectiveSettings,
+               sequence_ids: list[int] | None = None) -> ChunkLoss:
+    """Clipped loss (+ KL) of a micro-batch: ``sum_b w_b * sum_t l_b,t``.
+
+    Args:
+        logprobs: Per turn, the current log-probs (``Policy.turn_logprobs``).
+        ref_logprobs: Per turn, reference log-probs of the policy's own tokens (a retrieval
+            has no reference and is left out of the KL), or ``None``.
+        turns: The turns, whose ``advantage`` is already assigned.
+        row_weights: ``[B]`` aggregation weights of these rows (``aggregation_weights``
+            over the whole update, sliced).
+        sequence_ids: Per turn, its sequence (for ``level: sequence``).
+    """
+    lp, mask = pad_rows(logprobs)  # [B, T]
+    as_tensor = lambda rows: pad_rows(  # noqa: E731
+        [torch.tensor(r, dtype=lp.dtype, device=lp.device) for r in rows], lp.shape[1])[0]
+    engine = as_tensor([old_logprobs_of(t) for t in turns])  # [B, T]
+    old, is_weights, gap = engine, None, 0.0
+    if settings.tis_cap is not None:
+        old = as_tensor([old_logprobs_of(t, trainer=True) for t in turns])  # [B, T]
+        is_weights = truncated_is_weights(old, engine, mask, settings.tis_cap)
+        gap = logprob_gap(old, engine, mask) * float(mask.sum())
+    adv = torch.tensor([t.advantage for t in turns], dtype=lp.dtype, device=lp.device)  # [B]
+    seq = torch.tensor(sequence_ids, device=lp.device) if sequence_ids is not None else None
+    terms = clipped_policy_loss(lp, old, adv, mask, settings.eps_low, settings.eps_high,
+                                settings.level, seq, settings.dual_clip, is_weights)
+    w = row_weights.to(lp.dtype)[:, None]  # [B, 1]
+    policy = (terms.per_token * w).sum()
+    kl = lp.new_zeros(())
+    if ref_logprobs is not None:
+        ref, ref_mask = pad_rows([r.to(lp.dtype) for r in ref_logprobs], lp.shape[1])  # [B, T]
+        kl = (kl_penalty(lp, ref, ref_mask, settings.kl_estimator) * w).sum()
+    loss = policy + settings.kl_coef * kl
+    real = mask > 0
+    ratios = terms.ratio.detach()[real]
+    bias_sum, adv_sum = clip_bias_sums(terms, adv, mask)
+    return ChunkLoss(
+        loss=loss, policy_sum=float(policy.detach()), kl_sum=float(kl.detach()),
+        clipped=int(terms.clipped.sum()), tokens=int(real.sum()),
+        ratio_sum=float(ratios.sum()) if ratios.numel() else 0.0,
+        ratio_sq_sum=float((ratios ** 2).sum()) if ratios.numel() else 0.0,
+        ratio_max=float(ratios.max()) if ratios.numel() else 1.0,
+        ratio_min=float(ratios.min()) if ratios.numel() else 1.0,
+        bias_sum=bias_sum, adv_sum=adv_sum, gap_sum=gap,
+        clipped_rows=terms.clipped.sum(-1).tolist(), tokens_rows=real.sum(-1).tolist(),
+    )
 
 
 def pad_rows(rows: list[Tensor], width: int | None = None) -> tuple[Tensor, Tensor]:
@@ -61,67 +257,75 @@ def pad_rows(rows: list[Tensor], width: int | None = None) -> tuple[Tensor, Tens
     return out, mask
 
 
-def old_logprobs_of(turn: Turn) -> list[float]:
-    """Behaviour log-probs aligned with ``Planner.turn_logprobs``: retrieval comes last."""
-    extra = [turn.retrieval.old_logprob] if turn.retrieval is not None else []
-    return list(turn.old_logprobs) + extra
-
-
-def count_tokens(turns: list[Turn]) -> int:
-    return sum(len(old_logprobs_of(t)) for t in turns)
-
-
+# -- one role, all micro-batches ---------------------------------------------------------------
 @dataclass
-class ChunkLoss:
-    """One micro-batch's contribution to the loss, and its sums for logging."""
+class RoleStats:
+    """Sums over one role's update, for the logs and the normalization."""
 
-    loss: Tensor
-    policy_sum: float
-    kl_sum: float
-    clipped: int
-    tokens: int
-    ratio_sum: float
-    ratio_max: float
-    ratio_min: float
+    finite: bool = True
+    policy: float = 0.0
+    kl: float = 0.0
+    clipped: int = 0
+    tokens: int = 0
+    ratio_sum: float = 0.0
+    ratio_sq_sum: float = 0.0
+    ratio_max: float = -math.inf
+    ratio_min: float = math.inf
+    bias_sum: float = 0.0
+    adv_sum: float = 0.0
+    gap_sum: float = 0.0
+    turns: int = 0
+    clipped_by_index: list[int] = field(default_factory=lambda: [0] * TURN_INDEX_BUCKETS)
+    tokens_by_index: list[int] = field(default_factory=lambda: [0] * TURN_INDEX_BUCKETS)
+
+    def add(self, part: ChunkLoss, turn_index: list[int]) -> None:
+        self.policy += part.policy_sum
+        self.kl += part.kl_sum
+        self.clipped += part.clipped
+        self.tokens += part.tokens
+        self.ratio_sum += part.ratio_sum
+        self.ratio_sq_sum += part.ratio_sq_sum
+        self.ratio_max = max(self.ratio_max, part.ratio_max)
+        self.ratio_min = min(self.ratio_min, part.ratio_min)
+        self.bias_sum += part.bias_sum
+        self.adv_sum += part.adv_sum
+        self.gap_sum += part.gap_sum
+        for k, c, n in zip(turn_index, part.clipped_rows, part.tokens_rows):
+            b = min(k, TURN_INDEX_BUCKETS - 1)
+            self.clipped_by_index[b] += int(c)
+            self.tokens_by_index[b] += int(n)
+
+    def logged(self, role: str) -> dict[str, float]:
+        n = max(self.tokens, 1)
+        out = {f"{role}/loss": self.policy, f"{role}/kl": self.kl, f"{role}/clip_frac": self.clipped / n,
+               f"{role}/ratio_mean": self.ratio_sum / n,
+               f"{role}/ratio_max": self.ratio_max if self.tokens else 1.0,
+               f"{role}/ratio_min": self.ratio_min if self.tokens else 1.0,
+               # Kish effective sample size of the IS weights, as a fraction of the tokens
+               f"{role}/ess": (self.ratio_sum ** 2 / (n * self.ratio_sq_sum)) if self.ratio_sq_sum > 0 else 1.0,
+               f"{role}/turns": float(self.turns)}
+        for b in range(TURN_INDEX_BUCKETS):
+            if self.tokens_by_index[b]:
+                name = f"{b}" if b < TURN_INDEX_BUCKETS - 1 else f"{b}plus"
+                out[f"{role}/clip_frac_turn{name}"] = self.clipped_by_index[b] / self.tokens_by_index[b]
+        return out
 
 
-def chunk_loss(
-    logprobs: list[Tensor],
-    ref_logprobs: list[Tensor] | None,
-    turns: list[Turn],
-    settings: ObjectiveSettings,
-    denominator: int,
-) -> ChunkLoss:
-    """Clipped turn-level loss (+ KL) of a micro-batch, scaled by the role's token count.
-
-    Args:
-        logprobs: Per turn, the current log-probs (``Policy.turn_logprobs``).
-        ref_logprobs: Per turn, the reference log-probs of the policy's own tokens (the
-            retrieval has no reference and is left out of the KL), or ``None``.
-        turns: The turns, whose ``advantage`` is already assigned.
-        denominator: Total tokens of this role in the update (token-mean aggregation).
-    """
-    lp, mask = pad_rows(logprobs)  # [B, T]
-    old = [torch.tensor(old_logprobs_of(t), dtype=lp.dtype, device=lp.device) for t in turns]
-    old_lp, _ = pad_rows(old, lp.shape[1])  # [B, T]
-    adv = torch.tensor([t.advantage for t in turns], dtype=lp.dtype, device=lp.device)  # [B]
-    terms = clipped_policy_loss(lp, old_lp, adv, mask, settings.eps_low, settings.eps_high,
-                                settings.level)
-    policy = terms.per_token.sum()
-    kl = lp.new_zeros(())
-    if ref_logprobs is not None and settings.kl_coef > 0:
-        ref, ref_mask = pad_rows([r.to(lp.dtype) for r in ref_logprobs], lp.shape[1])  # [B, T]
-        kl = kl_k3(lp, ref, ref_mask).sum()
-    loss = (policy + settings.kl_coef * kl) / max(denominator, 1)
-    real = mask > 0
-    ratios = terms.ratio.detach()[real]
-    return ChunkLoss(
-        loss=loss,
-        policy_sum=float(policy.detach()),
-        kl_sum=float(kl.detach()),
-        clipped=int(terms.clipped.sum()),
-        tokens=int(real.sum()),
-        ratio_sum=float(ratios.sum()) if ratios.numel() else 0.0,
-        ratio_max=float(ratios.max()) if ratios.numel() else 1.0,
-        ratio_min=float(ratios.min()) if ratios.numel() else 1.0,
-    )
+def role_loss(policy, items: RoleTurns, settings: ObjectiveSettings,
+              backward: Callable[[Tensor], None]) -> RoleStats:
+    """Forward and backward over one role's turns; stops at the first non-finite loss."""
+    stats = RoleStats(turns=len(items.turns))
+    whole = settings.level == "sequence" or settings.aggregation != "token-mean"
+    lengths = torch.tensor([len(old_logprobs_of(t)) for t in items.turns])
+    weights = aggregation_weights(lengths, torch.tensor(items.sequence_ids), settings.aggregation)
+    for rows in micro_batches(items, settings.micro_batch_turns, whole):
+        chunk = items.subset(rows)
+        ref = policy.reference_logprobs(chunk.turns) if settings.kl_in_loss else None
+        part = chunk_loss(policy.turn_logprobs(chunk.turns), ref, chunk.turns, weights[rows],
+                          settings, chunk.sequence_ids)
+        if not torch.isfinite(part.loss):
+            stats.finite = False
+            return stats
+        backward(part.loss)
+        stats.add(part, chunk.turn_index)
+    return stats

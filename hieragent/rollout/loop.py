@@ -125,6 +125,8 @@ def _planner_turns(pool, states, idx, planner, bank, settings, greedy, version, 
     for j, (i, turn) in enumerate(zip(idx, turns)):
         state = states[i]
         turn.segment, turn.retrieval = state.segment, retrievals[j]
+        # the state, not the prompt: retrieved skills and feedback are left out (GiGPO anchors)
+        turn.state_key = planner_text(state.observation.mission, state.observation.text, [], None)
         state.trajectory.turns.append(turn)
         state.plan_turn, state.subgoal = turn, turn.text
         state.needs_plan, state.segment_steps = False, 0
@@ -150,6 +152,7 @@ def _executor_turns(pool, states, idx, executor, settings, hierarchical, greedy,
     for i, turn in zip(idx, turns):
         state, result = states[i], results[i]
         trajectory = state.trajectory
+        turn.state_key = executor_text(state.subgoal, state.observation.text, None)  # pre-step view
         achieved = hierarchical and result.subgoal_done
         turn.reward = result.reward + (settings.intrinsic_reward if achieved else 0.0)
         turn.segment, turn.done = state.segment, result.done

@@ -16,6 +16,10 @@ def test_fit_writes_checkpoint_then_test_and_resume(workdir):
     assert fit.returncode == 0, fit.stderr[-3000:]
     ckpt = workdir / "lightning_logs" / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     assert ckpt.is_file()
+    # CSV and TensorBoard share the run folder with the checkpoints
+    assert (ckpt.parents[1] / "metrics.csv").is_file()
+    assert list((ckpt.parents[1] / "tensorboard").glob("events.out.tfevents.*"))
+    assert not (ckpt.parents[2] / "version_1").exists()
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     assert state["global_step"] == 2
     assert all("lora_" in k or k.startswith("planner.query_adapter.") for k in state["state_dict"])

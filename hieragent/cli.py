@@ -105,7 +105,7 @@ def main(args: list[str] | None = None) -> None:
         HierAgentCLI(
             HierAgentModule,
             RolloutDataModule,
-            args=argv,
+            args=args,
             save_config_kwargs={"overwrite": True},
             seed_everything_default=0,
         )

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from rich.console import Console
@@ -107,3 +108,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+class UpdateProgressBar(RichProgressBar):
+    """Rich progress bar labelled by RL update rather than by epoch.
+
+    Rollout data is an endless stream, so ``max_epochs`` is -1 and Lightning's own label
+    would read "Epoch 0/-2"; the bar's total is already ``max_steps``.
+    """
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is not None and self.trainer.max_epochs > 0:
+            return super()._get_train_description(current_epoch)
+        return "updates"

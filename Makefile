@@ -7,7 +7,7 @@ CONFIG ?= configs/babyai_hier.yaml
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hieragent-installed
 
-.PHONY: install train train-flat test test-slow bench-objective clean
+.PHONY: install train train-flat test test-slow bench-objective textworld-games demos warmstart expert-table clean
 
 install: $(STAMP)
 
@@ -35,6 +35,22 @@ test-slow: install
 # stale off-policy training with three objectives; prints a table (see hieragent/bench/objective.py)
 bench-objective: install
 	$(BIN)/python -m hieragent.bench.objective
+
+# TextWorld games of every level, default train and held-out seeds, into the hieragent cache
+textworld-games: install
+	$(BIN)/python -m hieragent.envs.textworld_games --level all
+
+# BabyAI-bot demonstrations (JSONL, into the cache), then the supervised warm start on them
+DEMO_ENV ?= BabyAI-GoToObjS4-v0
+demos: install
+	$(BIN)/python -m hieragent.rollout.demos --env $(DEMO_ENV) --episodes 64
+
+warmstart: demos
+	$(BIN)/hieragent fit --config configs/tiny_sft.yaml
+
+# the experts' success per level, on held-out seeds (the README's reference rows)
+expert-table: install
+	$(BIN)/python -m hieragent.envs.reference --seeds 20
 
 clean:
 	rm -rf lightning_logs .pytest_cache

@@ -148,6 +148,7 @@ class Trajectory:
         length: Number of environment steps.
         invalid_actions: Number of actions that could not be parsed or grounded.
         subgoals_done: Number of planner subgoals the executor achieved.
+        loop_ended: Whether the loop guard ended the episode (a run of repeated actions).
     """
 
     turns: list[Turn] = field(default_factory=list)
@@ -159,6 +160,7 @@ class Trajectory:
     length: int = 0
     invalid_actions: int = 0
     subgoals_done: int = 0
+    loop_ended: bool = False
 
     def of(self, role: Role) -> list[Turn]:
         return [t for t in self.turns if t.role == role]
@@ -178,3 +180,60 @@ class Batch:
 
     def turns(self, role: Role | None = None) -> list[Turn]:
         return [t for tr in self.trajectories for t in tr.turns if role is None or t.role == role]
+
+
+@dataclass
+class PlannerStep:
+    """One planner decision of a demonstration: what it saw and the subgoal it chose.
+
+    Attributes:
+        observation: The env's text when the subgoal was chosen.
+        candidates: The subgoals the env offered then (``Observation.subgoals``).
+        subgoal: The expert's subgoal (it may be missing from ``candidates``).
+    """
+
+    observation: str
+    candidates: list[str]
+    subgoal: str
+
+
+@dataclass
+class ExecutorStep:
+    """One executor decision of a demonstration.
+
+    Attributes:
+        subgoal: The subgoal being pursued (the mission in a flat run).
+        observation: The env's text before the action.
+        candidates: The admissible actions then (``Observation.actions``).
+        action: The expert's action.
+    """
+
+    subgoal: str
+    observation: str
+    candidates: list[str]
+    action: str
+
+
+@dataclass
+class Demonstration:
+    """An expert episode, one JSONL line of a demonstrations file (``hieragent.rollout.demos``).
+
+    Attributes:
+        env: Env name, e.g. ``BabyAI-GoToLocal-v0``.
+        seed: Env seed; ``reset(seed)`` and the actions below replay the episode exactly.
+        mission: The episode's mission.
+        source: Which expert: ``babyai-bot``, ``textworld-walkthrough`` or ``planner-search``.
+        success: Whether the episode accomplished the mission (only successes are written).
+        length: Env steps.
+        planner: One entry per subgoal, in order.
+        executor: One entry per action, in order; ``subgoal`` ties each to its segment.
+    """
+
+    env: str
+    seed: int
+    mission: str
+    source: str
+    success: bool
+    length: int
+    planner: list[PlannerStep] = field(default_factory=list)
+    executor: list[ExecutorStep] = field(default_factory=list)

@@ -29,6 +29,7 @@ COLORS = ("red", "green", "blue", "purple", "yellow", "grey")
 PICKABLE = ("ball", "box", "key")
 OBJECT_TYPES = PICKABLE + ("door",)
 _SUBGOAL = re.compile(r"^(go to|pick up|drop|open) (?:the|a) (\w+) (\w+)$")
+_PUT_NEXT = re.compile(r"^put (?:the|a) (\w+) (\w+) next to (?:the|a) (\w+) (\w+)$")
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,10 @@ class _Subgoal:
     """A grounded subgoal; ``seen`` and ``doors`` snapshot what held when it was set."""
 
     text: str
-    verb: str  # "go to" | "pick up" | "open" | "drop" | "explore"
+    verb: str  # "go to" | "pick up" | "open" | "drop" | "put next" | "explore"
     color: str = ""
     type: str = ""
+    near: tuple[str, str] = ("", "")  # put next: colour and type of the object to put it by
     seen: frozenset[int] = frozenset()  # explore: ids of objects visible or carried
     doors: list[WorldObj] = field(default_factory=list)  # open: doors closed at set time
 
@@ -228,7 +230,9 @@ class BabyAITextEnv(TextEnv):
         ]
         doors = [f"open the {s.obj.color} door" for s in view if s.obj.type == "door" and not s.obj.is_open]
         drop = [f"drop the {held.color} {held.type}"] if held is not None else []
-        return list(dict.fromkeys(go + pick + doors + drop + ["explore"]))
+        put = [f"put the {held.color} {held.type} next to the {s.obj.color} {s.obj.type}"
+               for s in view if held is not None and s.obj.type in PICKABLE]
+        return list(dict.fromkeys(go + pick + doors + drop + put + ["explore"]))
 
     # ---- subgoals ---------------------------------------------------------------------
 
@@ -255,16 +259,20 @@ class BabyAITextEnv(TextEnv):
         if key == "explore":
             ids = {id(s.obj) for s in self.view()} | ({id(env.carrying)} if env.carrying else set())
             return _Subgoal(key, "explore", seen=frozenset(ids))
+        put = _PUT_NEXT.match(key)
+        if put:
+            return self._ground_put_next(text, *put.groups())
         match = _SUBGOAL.match(key)
         if not match or match[2] not in COLORS or match[3] not in OBJECT_TYPES:
             return (
                 f"cannot use subgoal {quote(text)}; use e.g. 'go to the red ball', "
-                "'pick up the red ball', 'open the red door', 'drop the red ball' or 'explore'"
+                "'pick up the red ball', 'open the red door', 'drop the red ball', "
+                "'put the red ball next to the blue key' or 'explore'"
             )
         verb, color, kind = match.groups()
         name = f"{color} {kind}"
         sg = _Subgoal(f"{verb} the {name}", verb, color, kind)
-        objs = [o for o in env.grid.grid if o is not None and (o.color, o.type) == (color, kind)]
+        objs = self._objects(color, kind)
         if verb == "drop":
             return sg if self._carries(color, kind) else f"you do not carry a {name}"
         if verb == "open":
@@ -284,6 +292,27 @@ class BabyAITextEnv(TextEnv):
             return f"you are already at the {name}"
         return sg
 
+    def _ground_put_next(self, text: str, color: str, kind: str, near_color: str,
+                         near_kind: str) -> _Subgoal | str:
+        if color not in COLORS or near_color not in COLORS or kind not in PICKABLE \
+                or near_kind not in OBJECT_TYPES:
+            return f"cannot use subgoal {quote(text)}; use e.g. 'put the red ball next to the blue key'"
+        if not self._carries(color, kind):
+            return f"you do not carry a {color} {kind}"
+        if not self._objects(near_color, near_kind):
+            return f"there is no {near_color} {near_kind} here"
+        return _Subgoal(f"put the {color} {kind} next to the {near_color} {near_kind}", "put next",
+                        color, kind, near=(near_color, near_kind))
+
+    def _objects(self, color: str, kind: str) -> list[WorldObj]:
+        return [o for o in self.unwrapped.grid.grid if o is not None and (o.color, o.type) == (color, kind)]
+
+    def _cells(self, color: str, kind: str) -> list[tuple[int, int]]:
+        """Grid positions of matching objects (read from the grid: ``cur_pos`` can be stale)."""
+        grid = self.unwrapped.grid
+        return [(x, y) for x in range(grid.width) for y in range(grid.height)
+                if (o := grid.get(x, y)) is not None and (o.color, o.type) == (color, kind)]
+
     def _carries(self, color: str, kind: str) -> bool:
         held = self.unwrapped.carrying
         return held is not None and (held.color, held.type) == (color, kind)
@@ -302,4 +331,9 @@ class BabyAITextEnv(TextEnv):
             return not self._carries(sg.color, sg.type)
         if sg.verb == "open":
             return any(d.is_open for d in sg.doors)
+        if sg.verb == "put next":  # BabyAI's PutNext rule: dropped, and 4-adjacent to the other
+            if self._carries(sg.color, sg.type):
+                return False
+            return any(abs(ax - bx) + abs(ay - by) == 1 for ax, ay in self._cells(sg.color, sg.type)
+                       for bx, by in self._cells(*sg.near))
         return any(id(s.obj) not in sg.seen for s in view)  # explore

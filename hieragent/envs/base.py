@@ -8,13 +8,20 @@ never an exception, because a policy in training produces garbage often.
 from __future__ import annotations
 
 import difflib
+import importlib
 from abc import ABC, abstractmethod
 
 from hieragent.types import Observation, StepResult
 
-# Prefix of a gymnasium id -> the TextEnv that wraps it. One family so far (STYLE: no
-# plugin system before three real implementations).
-_FAMILIES = ("BabyAI-",)
+# Name prefix -> "module:Class" of the TextEnv family that serves it. A family module
+# also defines ``NAMES``, the names it accepts, unless its names come from gymnasium's
+# registry (BabyAI). Imported lazily: textworld and minigrid are slow to import.
+_FAMILIES = {
+    "BabyAI-": "hieragent.envs.babyai:BabyAITextEnv",
+    "TextWorld-": "hieragent.envs.textworld:TextWorldEnv",
+    "FrozenLake-": "hieragent.envs.frozenlake:FrozenLakeTextEnv",
+    "Sokoban-": "hieragent.envs.sokoban:SokobanTextEnv",
+}
 # Shown first when a name is unknown: the levels hieragent's configs use.
 _FEATURED = ("BabyAI-GoToLocal-v0", "BabyAI-GoToRedBallNoDists-v0", "BabyAI-GoToObj-v0")
 
@@ -64,12 +71,24 @@ class TextEnv(ABC):
         """Step cap of the current episode; invalid steps count toward it."""
 
 
-def known_envs() -> list[str]:
-    """Every env name ``make_env`` accepts, in gymnasium's registration order."""
-    import gymnasium
-    import minigrid  # noqa: F401  (registers the BabyAI ids with gymnasium)
+def _family(prefix: str) -> type[TextEnv]:
+    module, _, cls = _FAMILIES[prefix].partition(":")
+    return getattr(importlib.import_module(module), cls)
 
-    return [k for k in gymnasium.envs.registry if k.startswith(_FAMILIES)]
+
+def _names(prefix: str) -> list[str]:
+    """The names one family accepts; imports only that family."""
+    if prefix == "BabyAI-":
+        import gymnasium
+        import minigrid  # noqa: F401  (registers the BabyAI ids with gymnasium)
+
+        return [k for k in gymnasium.envs.registry if k.startswith(prefix)]
+    return list(importlib.import_module(_FAMILIES[prefix].partition(":")[0]).NAMES)
+
+
+def known_envs() -> list[str]:
+    """Every env name ``make_env`` accepts: BabyAI in gymnasium's order, then the others."""
+    return [name for prefix in _FAMILIES for name in _names(prefix)]
 
 
 def check_env_name(name: str) -> None:
@@ -77,9 +96,10 @@ def check_env_name(name: str) -> None:
 
     Cheap (a registry lookup, no env is built), so configs can call it at parse time.
     """
-    known = known_envs()
-    if name in known:
+    prefix = next((p for p in _FAMILIES if name.startswith(p)), None)
+    if prefix is not None and name in _names(prefix):
         return
+    known = known_envs()
     close = difflib.get_close_matches(name, known, n=3, cutoff=0.75)
     shown = list(dict.fromkeys(close + [f for f in _FEATURED if f in known] + known))[:6]
     raise ValueError(
@@ -89,11 +109,10 @@ def check_env_name(name: str) -> None:
 
 
 def make_env(name: str, **kwargs: object) -> TextEnv:
-    """Build the env called ``name`` (a gymnasium id such as ``BabyAI-GoToLocal-v0``).
+    """Build the env called ``name``, e.g. ``BabyAI-GoToLocal-v0`` or ``TextWorld-Easy-v0``.
 
     ``kwargs`` go to the env class, e.g. ``max_steps`` and ``invalid_penalty``.
     """
     check_env_name(name)
-    from hieragent.envs.babyai import BabyAITextEnv  # here: babyai.py imports this module
-
-    return BabyAITextEnv(name, **kwargs)  # type: ignore[arg-type]
+    prefix = next(p for p in _FAMILIES if name.startswith(p))
+    return _family(prefix)(name, **kwargs)  # type: ignore[call-arg]

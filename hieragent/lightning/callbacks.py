@@ -86,6 +86,44 @@ class BeforeAfterEval(L.Callback):
         self.before = state_dict.get("before")
 
 
+class LevelTable(L.Callback):
+    """After ``hieragent test`` (or validate), one table row per env of ``data.test_envs``.
+
+    Rows come from the logged ``test/<env>/<metric>`` values (``test/<metric>`` for a
+    single env) and are also written as ``test_summary.json`` in the log directory.
+    """
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, "test")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "validate":
+            self._report(trainer, "val")
+
+    def _report(self, trainer: L.Trainer, stage: str) -> None:
+        envs = getattr(trainer.datamodule, "test_envs", None) or [trainer.datamodule.hparams.env]
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        rows = {}
+        for env in envs:
+            prefix = f"{stage}/{env}/" if len(envs) > 1 else f"{stage}/"
+            row = {m: metrics.get(prefix + m, float("nan")) for m in ("success", "return", "length", "invalid")}
+            rows[env] = row
+        if not trainer.is_global_zero:
+            return
+        table = Table(title=f"{stage}: {trainer.datamodule.hparams.eval_episodes} held-out episodes per env")
+        table.add_column("env")
+        for name in ("success rate", "mean return", "mean length", "invalid actions"):
+            table.add_column(name, justify="right")
+        for env, row in rows.items():
+            table.add_row(env, f"{row['success']:.3f}", f"{row['return']:.3f}", f"{row['length']:.1f}",
+                          f"{row['invalid']:.3f}")
+        Console().print(table)
+        if trainer.log_dir:
+            out = Path(trainer.log_dir) / f"{stage}_summary.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(rows, indent=2))
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Write a checkpoint to a temporary file beside it, then rename it into place.
 

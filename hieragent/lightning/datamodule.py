@@ -56,6 +56,21 @@ class RolloutDataModule(L.LightningDataModule):
         eval_batch: Episodes played side by side during evaluation.
         eval_greedy: Evaluate with argmax choices instead of sampling.
         eval_sample_seed: Sampling seed of evaluation, so that evaluations are comparable.
+        env_options: Further keyword arguments of the env family, e.g. ``games_dir`` for
+            TextWorld or ``is_slippery`` for FrozenLake.
+        train_seeds: Size of a fixed training set: seeds ``train_seed + i`` wrap modulo
+            this (e.g. a pre-generated set of TextWorld games); ``None`` never repeats.
+        test_envs: Envs that ``hieragent test`` and validation evaluate, each on its own
+            held-out seeds and logged under its name; ``None`` is ``[env]``.
+        demos: A demonstrations JSONL (``hieragent.rollout.demos``): training batches are
+            then expert episodes for the supervised warm start, not rollouts.
+        demo_batch: Demonstrations per warm-start step.
+        workers: Env worker processes per pool; ``0`` steps the envs in this process.
+        step_timeout: Seconds a worker may take for one batched call before it is
+            restarted and its episodes dropped (workers only).
+        loop_guard: End an episode, with ``loop_penalty``, when its last this-many steps
+            repeat with a short period (see ``hieragent.envs.guards``); ``None`` is off.
+        loop_penalty: Reward subtracted on the step the loop guard ends an episode.
     """
 
     def __init__(
@@ -71,9 +86,30 @@ class RolloutDataModule(L.LightningDataModule):
         eval_batch: int = 16,
         eval_greedy: bool = False,
         eval_sample_seed: int = 1234,
+        env_options: dict[str, Any] | None = None,
+        train_seeds: int | None = None,
+        test_envs: list[str] | None = None,
+        demos: str | None = None,
+        demo_batch: int = 8,
+        workers: int = 0,
+        step_timeout: float | None = 60.0,
+        loop_guard: int | None = None,
+        loop_penalty: float = 1.0,
     ) -> None:
         super().__init__()
-        check_env_name(env)
+        for name in [env, *(test_envs or [])]:
+            check_env_name(name)
+        if test_envs is not None and not test_envs:
+            raise ValueError("data.test_envs must name at least one env, or be null for [data.env]")
+        if train_seeds is not None and not 1 <= train_seed + train_seeds <= EVAL_SEED_OFFSET:
+            raise ValueError(f"data.train_seeds must be >= 1 with data.train_seed + data.train_seeds "
+                             f"<= {EVAL_SEED_OFFSET} (the held-out range), got {train_seeds}")
+        if workers < 0:
+            raise ValueError(f"data.workers must be >= 0, got {workers}")
+        if loop_guard is not None and loop_guard < 2:
+            raise ValueError(f"data.loop_guard must be >= 2 or null, got {loop_guard}")
+        if demo_batch < 1:
+            raise ValueError(f"data.demo_batch must be >= 1, got {demo_batch}")
         for key, value in (("seeds_per_batch", seeds_per_batch), ("group_size", group_size),
                            ("eval_episodes", eval_episodes), ("eval_batch", eval_batch),
                            ("batches_per_epoch", batches_per_epoch)):
@@ -84,41 +120,83 @@ class RolloutDataModule(L.LightningDataModule):
                              "seeds from there on are held out for evaluation")
         self.save_hyperparameters()
         self.env_kwargs: dict[str, Any] = {"max_steps": max_episode_steps,
-                                           "invalid_penalty": invalid_penalty}
+                                           "invalid_penalty": invalid_penalty, **(env_options or {})}
         self.next_seed = train_seed
+        self.pool_kwargs: dict[str, Any] = {"workers": workers, "step_timeout": step_timeout,
+                                            "loop_guard": loop_guard, "loop_penalty": loop_penalty}
+        self.test_envs = list(test_envs) if test_envs else [env]
         self._train_pool: EnvPool | None = None
-        self._eval_pool: EnvPool | None = None
+        self._eval_pools: dict[str, EnvPool] = {}
+        self._demos: list | None = None
+        self._demo_order = torch.Generator().manual_seed(train_seed)
 
     # -- pools -------------------------------------------------------------------------
     def train_pool(self) -> EnvPool:
         if self._train_pool is None:
             n = self.hparams.seeds_per_batch * self.hparams.group_size
-            self._train_pool = EnvPool.make(self.hparams.env, n, **self.env_kwargs)
+            self._train_pool = EnvPool.make(self.hparams.env, n, **self.pool_kwargs, **self.env_kwargs)
         return self._train_pool
 
-    def eval_pool(self, n: int) -> EnvPool:
-        if self._eval_pool is None or len(self._eval_pool) != n:
-            self._eval_pool = EnvPool.make(self.hparams.env, n, **self.env_kwargs)
-        return self._eval_pool
+    def eval_pool(self, n: int, env: str | None = None) -> EnvPool:
+        env = env or self.hparams.env
+        if env not in self._eval_pools or len(self._eval_pools[env]) != n:
+            if env in self._eval_pools:
+                self._eval_pools[env].close()
+            self._eval_pools[env] = EnvPool.make(env, n, **self.pool_kwargs, **self.env_kwargs)
+        return self._eval_pools[env]
+
+    def env_counters(self) -> dict[str, float]:
+        """Episodes dropped by env failures and worker restarts, over this run's pools."""
+        pools = [p for p in [self._train_pool, *self._eval_pools.values()] if p is not None]
+        return {"env/dropped_episodes": float(sum(p.dropped_episodes for p in pools)),
+                "env/worker_restarts": float(sum(p.restarts for p in pools))}
+
+    def teardown(self, stage: str) -> None:
+        for pool in [self._train_pool, *self._eval_pools.values()]:
+            if pool is not None:
+                pool.close()
+        self._train_pool, self._eval_pools = None, {}
 
     # -- batches -----------------------------------------------------------------------
     def train_batch(self, module) -> Batch:
         """The next training batch, rolled out by ``module`` with its current weights."""
         g, s = self.hparams.group_size, self.hparams.seeds_per_batch
         # training seeds wrap below the held-out range, so they never meet it
-        seeds = [(self.next_seed + j) % EVAL_SEED_OFFSET for j in range(s) for _ in range(g)]
+        seeds = [self._train_seed(self.next_seed + j) for j in range(s) for _ in range(g)]
         self.next_seed += s
         return module.collect_train(self.train_pool(), seeds, groups=seeds)
 
-    def eval_batches(self, module, progress: Progress | None = None) -> Iterator[Batch]:
-        """Held-out episodes, in chunks of ``eval_batch``, with a fixed sampling seed."""
+    def _train_seed(self, k: int) -> int:
+        first, wrap = self.hparams.train_seed, self.hparams.train_seeds
+        if wrap is not None:
+            return first + (k - first) % wrap
+        return k % EVAL_SEED_OFFSET
+
+    def demo_batch(self) -> list:
+        """The next warm-start batch: ``demo_batch`` demonstrations, reshuffled each pass."""
+        from hieragent.rollout.demos import read_jsonl
+
+        if self._demos is None:
+            self._demos = read_jsonl(self.hparams.demos)
+            self._demo_queue: list[int] = []
+        out = []
+        while len(out) < self.hparams.demo_batch:
+            if not self._demo_queue:
+                self._demo_queue = torch.randperm(len(self._demos), generator=self._demo_order).tolist()
+            out.append(self._demos[self._demo_queue.pop()])
+        return out
+
+    def eval_batches(self, module, progress: Progress | None = None,
+                     env: str | None = None) -> Iterator[Batch]:
+        """Held-out episodes of ``env`` (default ``data.env``), in chunks of ``eval_batch``,
+        with a fixed sampling seed."""
         total, width = self.hparams.eval_episodes, self.hparams.eval_batch
         generator = torch.Generator().manual_seed(self.hparams.eval_sample_seed)
         task = progress.add_task("evaluating", total=total) if progress is not None else None
         done = 0
         for start in range(0, total, width):
             seeds = [EVAL_SEED_OFFSET + i for i in range(start, min(start + width, total))]
-            pool = self.eval_pool(len(seeds))
+            pool = self.eval_pool(len(seeds), env)
             on_step = (lambda k, d=done: progress.update(task, completed=d + k)) if task is not None else None
             yield module.collect(pool, seeds, list(range(len(seeds))),
                                  greedy=self.hparams.eval_greedy, generator=generator,
@@ -132,26 +210,33 @@ class RolloutDataModule(L.LightningDataModule):
         return self.trainer.lightning_module
 
     def train_dataloader(self) -> DataLoader:
-        data = _Rollouts(lambda _: self.train_batch(self._module()), self.hparams.batches_per_epoch)
+        if self.hparams.demos:
+            data = _Rollouts(lambda _: self.demo_batch(), self.hparams.batches_per_epoch)
+        else:
+            data = _Rollouts(lambda _: self.train_batch(self._module()), self.hparams.batches_per_epoch)
         return DataLoader(data, batch_size=None, collate_fn=_identity, num_workers=0)
 
-    def _eval_loader(self) -> DataLoader:
+    def _eval_loader(self, env: str) -> DataLoader:
         chunks = -(-self.hparams.eval_episodes // self.hparams.eval_batch)
         stream: dict[str, Iterator[Batch]] = {}
 
         def make(index: int) -> Batch:
             if index == 0:
-                stream["it"] = self.eval_batches(self._module())
+                stream["it"] = self.eval_batches(self._module(), env=env)
             return next(stream["it"])
 
         return DataLoader(_Rollouts(make, chunks), batch_size=None, collate_fn=_identity,
                           num_workers=0)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._eval_loader()
+    def _eval_loaders(self) -> DataLoader | list[DataLoader]:
+        loaders = [self._eval_loader(env) for env in self.test_envs]
+        return loaders[0] if len(loaders) == 1 else loaders
 
-    def test_dataloader(self) -> DataLoader:
-        return self._eval_loader()
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        return self._eval_loaders()
+
+    def test_dataloader(self) -> DataLoader | list[DataLoader]:
+        return self._eval_loaders()
 
     def state_dict(self) -> dict[str, Any]:
         return {"next_seed": self.next_seed}

@@ -42,7 +42,8 @@ from hieragent.objectives.value import TurnValueHead, turn_features, value_loss,
 from hieragent.memory.encoder import embedding_dim, load_encoder
 from hieragent.rollout.loop import RolloutSettings, collect
 from hieragent.rollout.replay import ReplayBuffer, ReplaySettings, staleness
-from hieragent.types import Batch, Trajectory
+from hieragent.lightning.warmstart import imitation_step
+from hieragent.types import Batch, Demonstration, Trajectory
 
 log = logging.getLogger(__name__)
 # which roles' gradients each optimizer param group carries
@@ -78,6 +79,9 @@ class HierAgentModule(L.LightningModule):
         lr_query: Learning rate of the memory query adapter.
         lr_value: Learning rate of the turn value head (``advantage.estimator: gae`` only).
         weight_decay: AdamW weight decay for every group.
+        init_from: A checkpoint (of a warm-start run, say) whose adapters, query adapter
+            and bank this run starts from; its step, optimizer and RNG are not taken.
+            ``--ckpt_path`` is for resuming the same run instead.
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class HierAgentModule(L.LightningModule):
         lr_query: float = 1e-3,
         lr_value: float = 1e-3,
         weight_decay: float = 0.0,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -134,9 +139,13 @@ class HierAgentModule(L.LightningModule):
             self.value_head = TurnValueHead(embedding_dim(load_encoder(memory.embedder)))
         self._value_batch = None
 
+        if init_from:
+            self.load_weights(init_from)
+
         self.train_metrics = episode_metrics().clone(prefix="train/")
         self.val_metrics = episode_metrics().clone(prefix="val/")
         self.test_metrics = episode_metrics().clone(prefix="test/")
+        self.env_metrics = torch.nn.ModuleDict()  # per-env evaluation metrics, made on first use
 
     # -- policies ----------------------------------------------------------------------
     def policies(self) -> list[tuple[str, Any]]:
@@ -195,8 +204,15 @@ class HierAgentModule(L.LightningModule):
     def training_step(self, dataloader_iter) -> None:
         # taking the batch here, not as an argument, keeps the rollout on the current
         # weights: Lightning would otherwise prefetch it one optimizer step early
-        batch: Batch = next(dataloader_iter)[0]
-        self._episodes = len(batch.trajectories)
+        batch: Batch | list[Demonstration] = next(dataloader_iter)[0]
+        if isinstance(batch, list):  # demonstrations: the supervised warm-start stage
+            stats = imitation_step(self, batch)
+            for logger in self.loggers:
+                logger.log_metrics(stats, step=self.global_step)
+            self.log("sft/loss", sum(v for k, v in stats.items() if k.endswith("_nll")),
+                     prog_bar=True, on_step=True, batch_size=len(batch))
+            return
+        self._episodes = max(len(batch.trajectories), 1)
         if self.objective.kl_coef > 0 and self.objective.kl_mode == "reward":
             for role, policy in self.policies():
                 penalty = subtract_kl_reward(policy, batch.turns(role), self.objective.kl_coef,
@@ -214,6 +230,11 @@ class HierAgentModule(L.LightningModule):
                 # corrupt data is dropped, not retried: it would fail every later update too
                 batches = self.replay.retained(self.global_step)
         self._log_episodes(batch.trajectories, self.train_metrics)
+        counters = getattr(self.trainer.datamodule, "env_counters", None)
+        env_stats = counters() if counters is not None else {}
+        env_stats["train/loop_ended"] = (sum(t.loop_ended for t in batch.trajectories)
+                                         / max(len(batch.trajectories), 1))
+        self.log_dict(env_stats, on_step=True, on_epoch=False, batch_size=self._episodes)
         self._update_bank(batch)
 
     def _values(self, batch: Batch) -> torch.Tensor | None:
@@ -321,13 +342,33 @@ class HierAgentModule(L.LightningModule):
                           batch_size=len(trajectories))
             metrics.reset()
         else:
-            self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=len(trajectories))
+            self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=len(trajectories),
+                          add_dataloader_idx=False)
 
-    def validation_step(self, batch: Batch, batch_idx: int) -> None:
-        self._log_episodes(batch.trajectories, self.val_metrics, on_step=False)
+    def validation_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._log_episodes(batch.trajectories, self._eval_metrics("val", dataloader_idx), on_step=False)
 
-    def test_step(self, batch: Batch, batch_idx: int) -> None:
-        self._log_episodes(batch.trajectories, self.test_metrics, on_step=False)
+    def test_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._log_episodes(batch.trajectories, self._eval_metrics("test", dataloader_idx), on_step=False)
+
+    def setup(self, stage: str) -> None:
+        # per-env metrics exist before anything is logged: Lightning maps metric objects to
+        # attribute names once, at the first log call
+        envs = getattr(self.trainer.datamodule, "test_envs", None) or []
+        if len(envs) > 1:
+            for prefix in ("val", "test"):
+                for i, name in enumerate(envs):
+                    key = f"{prefix}_{i}"
+                    if key not in self.env_metrics:
+                        self.env_metrics[key] = episode_metrics().clone(prefix=f"{prefix}/{name}/")
+
+    def _eval_metrics(self, stage: str, dataloader_idx: int) -> MetricCollection:
+        """``val/success`` for one env; ``val/<env>/success`` per env when ``data.test_envs``
+        names several (one dataloader each)."""
+        key = f"{stage}_{dataloader_idx}"
+        if key in self.env_metrics:
+            return self.env_metrics[key]
+        return self.val_metrics if stage == "val" else self.test_metrics
 
     # -- checkpoints -------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -341,13 +382,32 @@ class HierAgentModule(L.LightningModule):
                     "python": list(random.getstate()[1]), "python_pos": random.getstate()[2]},
         }
 
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+    def load_weights(self, path: str) -> None:
+        """Adapters, query adapter and bank from checkpoint ``path`` (``model.init_from``)."""
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"model.init_from: checkpoint '{path}' does not exist")
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as err:  # a torn or foreign file: say which, not a pickle trace
+            raise ValueError(f"model.init_from: '{path}' is not a readable checkpoint ({err})") from None
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            raise ValueError(f"model.init_from: '{path}' has no state_dict; is it a Lightning checkpoint?")
+        self._check_adapters(checkpoint, f"model.init_from '{path}'")
+        self.load_state_dict(checkpoint["state_dict"], strict=False)
+        bank = checkpoint.get("hieragent", {}).get("bank")
+        if self.bank is not None and bank is not None:
+            self.bank.load_state_dict(bank)
+
+    def _check_adapters(self, checkpoint: dict[str, Any], what: str) -> None:
         expected = {k for k in self.state_dict() if any(m in k for m in TRAINABLE_MARKERS)}
         missing = sorted(expected - set(checkpoint.get("state_dict", {})))
         if missing:
-            raise ValueError(f"checkpoint lacks {len(missing)} adapter weights this model expects "
+            raise ValueError(f"{what} lacks {len(missing)} adapter weights this model expects "
                              f"(first: {missing[0]}); was it written with another model or lora "
                              "config?")
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._check_adapters(checkpoint, "checkpoint")
         extra = checkpoint.get("hieragent", {})
         if self.bank is not None and extra.get("bank") is not None:
             self.bank.load_state_dict(extra["bank"])

@@ -18,6 +18,7 @@ import torch
 
 from hieragent.agents.policy import Executor, Planner
 from hieragent.agents.prompts import executor_text, planner_text
+from hieragent.envs.guards import ended_by_loop
 from hieragent.envs.pool import EnvPool
 from hieragent.memory.bank import MemoryBank
 from hieragent.memory.retrieval import sample_retrievals
@@ -74,7 +75,12 @@ def collect(
     generator: torch.Generator | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> list[Trajectory]:
-    """Play one episode per env of ``pool`` (``len(seeds) == len(pool)``) to the end."""
+    """Play one episode per env of ``pool`` (``len(seeds) == len(pool)``) to the end.
+
+    Episodes whose env failed (raised, or its worker hung or died: ``pool.failed``) are
+    dropped from the result, so a batch can hold fewer trajectories than envs; the pool
+    counts them in ``pool.dropped_episodes``.
+    """
     if len(seeds) != len(pool) or len(groups) != len(pool):
         raise ValueError(f"collect needs one seed and group per env: {len(pool)} envs, "
                          f"{len(seeds)} seeds, {len(groups)} groups")
@@ -85,17 +91,17 @@ def collect(
                   needs_plan=hierarchical)
         for s, g, o in zip(seeds, groups, observations)
     ]
-    active = list(range(len(pool)))
+    active = [i for i in range(len(pool)) if i not in pool.failed]
     while active:
         if hierarchical:
             _planner_turns(pool, states, [i for i in active if states[i].needs_plan], planner,
                            bank, settings, greedy, version, generator)
         _executor_turns(pool, states, active, executor, settings, hierarchical, greedy, version,
                         generator)
-        active = [i for i in active if not states[i].trajectory.turns[-1].done]
+        active = [i for i in active if not states[i].trajectory.turns[-1].done and i not in pool.failed]
         if on_step is not None:
             on_step(len(pool) - len(active))
-    return [s.trajectory for s in states]
+    return [s.trajectory for i, s in enumerate(states) if i not in pool.failed]
 
 
 def _planner_turns(pool, states, idx, planner, bank, settings, greedy, version, generator) -> None:
@@ -135,7 +141,7 @@ def _planner_turns(pool, states, idx, planner, bank, settings, greedy, version, 
         state.planner_feedback = feedback.get(i, "")
         if state.planner_feedback:
             state.trajectory.invalid_actions += 1
-            turn.reward -= pool.envs[i].invalid_penalty
+            turn.reward -= pool.invalid_penalty(i)
 
 
 def _executor_turns(pool, states, idx, executor, settings, hierarchical, greedy, version,
@@ -161,6 +167,7 @@ def _executor_turns(pool, states, idx, executor, settings, hierarchical, greedy,
         trajectory.env_return += result.reward
         trajectory.invalid_actions += int(result.invalid)
         trajectory.subgoals_done += int(achieved)
+        trajectory.loop_ended = ended_by_loop(result)
         if state.plan_turn is not None:
             state.plan_turn.reward += result.reward  # the segment's extrinsic return
         state.observation, state.executor_feedback = result.observation, result.feedback

@@ -290,7 +290,8 @@ def test_subgoal_candidates_are_grounded_in_view_and_deduplicated() -> None:
     grid.set(1, 3, Key("blue"))  # behind: not a candidate
     env.unwrapped.carrying = Key("green")
     assert env.observation().subgoals == [
-        "go to the grey door", "pick up the red ball", "open the grey door", "drop the green key", "explore",
+        "go to the grey door", "pick up the red ball", "open the grey door", "drop the green key",
+        "put the green key next to the red ball", "explore",
     ]  # facing a red ball already, so "go to the red ball" is not offered
     assert all(env.set_subgoal(s) == "" for s in env.observation().subgoals)
 
@@ -319,3 +320,24 @@ def test_expert_solves_go_to_local() -> None:
     success, length = expert_episode(LOCAL, 3)
     assert success and length > 1
     assert expert_episode(LOCAL, 3, max_steps=1) == (False, 1)  # the cap is passed through
+
+
+def test_put_next_subgoal_needs_the_object_in_hand_and_completes_on_an_adjacent_drop() -> None:
+    env = empty_room(agent=(3, 3), direction=0)  # facing east: a drop lands on (4, 3)
+    env.unwrapped.carrying = Ball("red")
+    env.unwrapped.grid.set(5, 3, Key("blue"))
+    assert "put the red ball next to the blue key" in env.observation().subgoals
+    assert env.set_subgoal("put the red ball next to the green box") == "there is no green box here"
+    assert env.set_subgoal("put the red ball next to the blue key") == ""
+    result = env.step("drop")
+    assert result.subgoal_done and env.unwrapped.carrying is None
+    assert env.set_subgoal("put the red ball next to the blue key") == "you do not carry a red ball"
+
+
+def test_put_next_drop_away_from_the_other_object_does_not_complete() -> None:
+    env = empty_room(agent=(2, 2), direction=0)  # the drop lands on (3, 2)
+    env.unwrapped.carrying = Ball("red")
+    env.unwrapped.grid.set(5, 4, Key("blue"))
+    assert env.set_subgoal("put the red ball next to the blue key") == ""
+    result = env.step("drop")
+    assert env.unwrapped.carrying is None and not result.subgoal_done

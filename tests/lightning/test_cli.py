@@ -58,3 +58,30 @@ def test_every_config_parses(config):
     out = run(["fit", "--config", f"configs/{config}", "--print_config"], REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "model:" in out.stdout
+
+
+def test_test_on_several_levels_prints_a_row_per_level(workspace):
+    envs = "[BabyAI-GoToRedBallNoDists-v0, FrozenLake-4x4-v0, Sokoban-6x6-1box-v0, TextWorld-Easy-v0]"
+    out = run(["test", "--config", "configs/tiny.yaml", "--data.test_envs", envs], workspace)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "held-out episodes per env" in out.stdout
+    import json
+
+    rows = json.loads(next(workspace.glob("lightning_logs/tiny/version_*/test_summary.json")).read_text())
+    assert list(rows) == ["BabyAI-GoToRedBallNoDists-v0", "FrozenLake-4x4-v0", "Sokoban-6x6-1box-v0",
+                          "TextWorld-Easy-v0"]
+    for row in rows.values():
+        assert 0.0 <= row["success"] <= 1.0 and row["length"] >= 1  # every level really played
+    assert rows["Sokoban-6x6-1box-v0"]["return"] < 0  # the per-step penalty: its own env ran
+
+
+def test_fit_with_env_worker_processes_and_the_loop_guard(workspace):
+    out = run(["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", "1",
+               "--data.workers", "1", "--data.loop_guard", "3"], workspace)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import csv
+
+    with open(next(workspace.glob("lightning_logs/tiny/version_*/metrics.csv")), newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("env/worker_restarts")]
+    assert rows and float(rows[0]["env/dropped_episodes"]) == 0.0
+    assert 0.0 <= float(rows[0]["train/loop_ended"]) <= 1.0

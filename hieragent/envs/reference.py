@@ -1,0 +1,66 @@
+"""The experts' success per level: the reference row of every results table.
+
+    python -m hieragent.envs.reference --seeds 20          (make expert-table)
+
+Each family's expert plays held-out seeds (from 1,000,000 on, as evaluation does):
+minigrid's BabyAI bot, TextWorld's walkthrough, and shortest-path search for FrozenLake
+and Sokoban. Prints success rate and mean length per level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+# held-out seeds start here (hieragent.lightning.datamodule.EVAL_SEED_OFFSET; restated so
+# that this script does not import Lightning)
+EVAL_SEED_OFFSET = 1_000_000
+
+LEVELS = [
+    "BabyAI-GoToLocal-v0", "BabyAI-PickupLoc-v0", "BabyAI-OpenDoor-v0", "BabyAI-UnlockLocal-v0",
+    "BabyAI-PutNextLocal-v0", "BabyAI-GoTo-v0", "TextWorld-Easy-v0", "TextWorld-Medium-v0",
+    "FrozenLake-4x4-v0", "FrozenLake-8x8-v0", "Sokoban-6x6-1box-v0", "Sokoban-7x7-2box-v0",
+]
+_MODULES = {"BabyAI-": "hieragent.envs.expert", "TextWorld-": "hieragent.envs.textworld",
+            "FrozenLake-": "hieragent.envs.frozenlake", "Sokoban-": "hieragent.envs.sokoban"}
+
+
+def expert_episode(level: str, seed: int) -> tuple[bool, int]:
+    """``(success, length)`` of the level's expert on ``seed``."""
+    for prefix, module in _MODULES.items():
+        if level.startswith(prefix):
+            return importlib.import_module(module).expert_episode(level, seed)
+    raise ValueError(f"no expert for {level!r}; experts exist for {', '.join(_MODULES)}*")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Success rate of each level's expert.")
+    p.add_argument("--seeds", type=int, default=20, help="held-out seeds per level")
+    p.add_argument("--levels", nargs="*", default=LEVELS)
+    a = p.parse_args(argv)
+    rows = []
+    with Progress() as progress:
+        task = progress.add_task("experts", total=len(a.levels) * a.seeds)
+        for level in a.levels:
+            outcomes = []
+            for seed in range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + a.seeds):
+                outcomes.append(expert_episode(level, seed))
+                progress.advance(task)
+            wins = [n for ok, n in outcomes if ok]
+            rows.append((level, sum(ok for ok, _ in outcomes) / len(outcomes),
+                         statistics.fmean(wins) if wins else float("nan")))
+    table = Table(title=f"expert success, {a.seeds} held-out seeds per level")
+    for col in ("level", "success rate", "mean length (successes)"):
+        table.add_column(col, justify="left" if col == "level" else "right")
+    for level, rate, length in rows:
+        table.add_row(level, f"{rate:.2f}", f"{length:.1f}")
+    Console(width=100).print(table)
+
+
+if __name__ == "__main__":
+    main()

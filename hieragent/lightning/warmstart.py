@@ -1,0 +1,110 @@
+"""Supervised warm start from expert demonstrations (GLIDER's stage 1, arXiv:2505.19761).
+
+Each demonstration step becomes a ``Turn`` built exactly as the rollout builds its turns
+(the same prompt text, the same candidate token ids), with the expert's choice as the
+output. The loss is the negative log-likelihood of that choice under the policy being
+trained:
+
+    score mode:    -log softmax_c(score(c))[expert]   over the step's candidates
+    generate mode: -(1/|y|) sum_t log pi(y_t | prompt, y_<t)   over the expert's tokens
+
+averaged over the turns of each role. In score mode an expert subgoal that the env did not
+offer as a candidate is appended to the candidates, so that its probability is defined.
+RL then starts from the resulting checkpoint with ``model.init_from``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hieragent.agents.prompts import executor_text, planner_text
+from hieragent.memory.retrieval import sample_retrievals
+from hieragent.types import Demonstration, Role, Turn
+
+
+def imitation_turns(module, demos: list[Demonstration]) -> dict[Role, list[Turn]]:
+    """The demonstrations' decisions as turns of the module's policies, by role."""
+    out: dict[Role, list[Turn]] = {"planner": [], "executor": []}
+    planner, executor = module.planner, module.executor
+    if planner is not None:
+        steps = [(d, p) for d in demos for p in d.planner]
+        skills = _skills(module, [f"{d.mission}. {p.observation}" for d, p in steps])
+        for (d, p), shown_skills in zip(steps, skills):
+            options = p.candidates if planner.mode == "generate" else None
+            prompt = planner.prompt_ids(planner_text(d.mission, p.observation, shown_skills, options))
+            out["planner"].append(_turn(planner, prompt, p.candidates, p.subgoal))
+    for d in demos:
+        for e in d.executor:
+            subgoal = e.subgoal if planner is not None else d.mission
+            options = e.candidates if executor.mode == "generate" else None
+            prompt = executor.prompt_ids(executor_text(subgoal, e.observation, options))
+            out["executor"].append(_turn(executor, prompt, e.candidates, e.action))
+    return out
+
+
+def _skills(module, queries: list[str]) -> list[list[str]]:
+    """Skills the planner prompt shows, as in rollout but greedy (plain top-k)."""
+    bank, settings = module.bank, module.rollout_settings
+    if bank is None or len(bank) == 0 or not queries:
+        return [[] for _ in queries]
+    picked = sample_retrievals(bank, module.planner.query_adapter, queries,
+                               n=settings.retrieval_candidates, k=settings.retrieval_k,
+                               temperature=settings.retrieval_temperature, greedy=True)
+    return [texts for texts, _ in picked]
+
+
+def _turn(policy, prompt: list[int], candidates: list[str], target: str) -> Turn:
+    if policy.mode == "score":
+        options = candidates if target in candidates else [*candidates, target]
+        cand_ids = [policy.candidate_ids(o) for o in options]
+        chosen = options.index(target)
+        return Turn(role=policy.role, prompt_ids=prompt, action_ids=cand_ids[chosen],
+                    old_logprobs=[0.0], text=target, candidate_ids=cand_ids, chosen=chosen)
+    ids = policy.candidate_ids(target)  # the text and the end-of-turn token, as generated
+    return Turn(role=policy.role, prompt_ids=prompt, action_ids=ids, old_logprobs=[0.0] * len(ids),
+                text=target)
+
+
+def imitation_step(module, demos: list[Demonstration]) -> dict[str, float]:
+    """One optimizer step of behaviour cloning on ``demos``; returns what to log.
+
+    A non-finite loss or gradient norm skips the step, as in RL (see ``HierAgentModule``).
+    """
+    opt = module.optimizers()
+    opt.zero_grad()
+    turns = imitation_turns(module, demos)
+    chunk = module.objective.micro_batch_turns
+    stats: dict[str, float] = {}
+    finite = True
+    for role, policy in module.policies():
+        items = turns[role]
+        if not items:
+            continue
+        total = 0.0
+        for start in range(0, len(items), chunk):
+            part = items[start:start + chunk]
+            logps = policy.turn_logprobs(part)
+            nll = torch.stack([-lp.mean() for lp in logps])  # [n]: per-turn mean over tokens
+            loss = nll.sum() / len(items)
+            if not torch.isfinite(loss):
+                finite = False
+                break
+            module.manual_backward(loss)
+            total += float(nll.detach().sum())
+        stats[f"sft/{role}_nll"] = total / len(items)
+        stats[f"sft/{role}_turns"] = float(len(items))
+    params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    grad_norm = math.nan
+    if finite and params:
+        max_norm = module.objective.max_grad_norm
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf))
+        finite = math.isfinite(grad_norm)
+    if finite and params:
+        opt.step()
+    else:
+        opt.zero_grad()
+    stats["train/skipped_step"] = float(not (finite and params))
+    stats["train/grad_norm"] = grad_norm
+    return stats

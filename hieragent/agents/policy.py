@@ -108,6 +108,9 @@ class Policy(L.LightningModule):
             return self._act_generate(prompts, greedy, version)
 
     def _act_score(self, prompts, options, greedy, generator, version) -> list[Turn]:
+        if any(not opts for opts in options):
+            raise ValueError(f"{self.role}: score mode needs at least one candidate per prompt; "
+                             "the env offered none")
         cand_ids = [[self.candidate_ids(o) for o in opts] for opts in options]
         logps = candidate_logprobs(self.lm, prompts, cand_ids, self.pad_id, self.temperature,
                                    self.score_reduction)

@@ -58,8 +58,7 @@ def run(index: int, name: str, args: list[str], batches: int, updates: int, work
     out = work / f"run{index}"
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "hieragent.cli", "fit", "--config", str(CONFIG),
-           "--seed_everything", str(seed), "--trainer.max_steps", str(steps),
-           "--trainer.enable_progress_bar", "false", *args]
+           "--seed_everything", str(seed), "--trainer.max_steps", str(steps), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True)
     if proc.returncode != 0:

@@ -111,13 +111,13 @@ class LevelTable(L.Callback):
         if not trainer.is_global_zero:
             return
         table = Table(title=f"{stage}: {trainer.datamodule.hparams.eval_episodes} held-out episodes per env")
-        table.add_column("env")
+        table.add_column("env", no_wrap=True)
         for name in ("success rate", "mean return", "mean length", "invalid actions"):
             table.add_column(name, justify="right")
         for env, row in rows.items():
             table.add_row(env, f"{row['success']:.3f}", f"{row['return']:.3f}", f"{row['length']:.1f}",
                           f"{row['invalid']:.3f}")
-        Console().print(table)
+        Console(width=max(Console().width, 110)).print(table)
         if trainer.log_dir:
             out = Path(trainer.log_dir) / f"{stage}_summary.json"
             out.parent.mkdir(parents=True, exist_ok=True)

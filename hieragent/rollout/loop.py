@@ -105,6 +105,16 @@ def collect(
 
 
 def _planner_turns(pool, states, idx, planner, bank, settings, greedy, version, generator) -> None:
+    if planner.mode == "score":
+        # nothing to choose from (e.g. a TextWorld room with no subgoal yet): no planner
+        # turn; the executor works from the mission until the planner is asked again
+        empty = [i for i in idx if not states[i].observation.subgoals]
+        pool.set_subgoals({i: None for i in empty})
+        for i in empty:
+            state = states[i]
+            state.subgoal, state.plan_turn = state.observation.mission, None
+            state.needs_plan, state.segment_steps = False, 0
+        idx = [i for i in idx if states[i].observation.subgoals]
     if not idx:
         return
     skills: list[list[str]] = [[] for _ in idx]

@@ -37,3 +37,31 @@ def test_an_env_that_raises_loses_only_its_episode(executor, when) -> None:
     # the next episode on the same pool plays normally
     again = play(pool, executor, [20, 21, 22])
     assert len(again) == 3 and pool.dropped_episodes == 1
+
+
+class NoSubgoals(FlakyEnv):
+    """A BabyAI level whose planner is offered nothing, as in a TextWorld room with no
+    subgoal yet."""
+
+    def reset(self, seed):
+        obs = super().reset(seed)
+        obs.subgoals = []
+        return obs
+
+    def step(self, action):
+        result = super().step(action)
+        result.observation.subgoals = []
+        return result
+
+
+def test_a_planner_with_no_candidates_hands_the_mission_to_the_executor(tiny_lm, tokenizer) -> None:
+    from hieragent.agents.policy import Planner
+
+    planner, executor = Planner(mode="score"), Executor(mode="score")
+    planner.bind(tiny_lm, tokenizer), executor.bind(tiny_lm, tokenizer)
+    pool = EnvPool([NoSubgoals(LEVEL, max_steps=5), FlakyEnv(LEVEL, max_steps=5)])
+    trajectories = collect(pool, [1, 2], [1, 2], executor, planner, None,
+                           RolloutSettings(max_subgoal_steps=2), greedy=True)
+    bare, planned = trajectories
+    assert not bare.of("planner") and bare.length >= 1  # played on without a planner turn
+    assert planned.of("planner")

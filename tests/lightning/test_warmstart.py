@@ -43,7 +43,7 @@ def test_score_mode_imitation_nll_matches_a_direct_float64_computation(tiny_lm, 
         cands = [words[i] for i in torch.randperm(6, generator=g)[: 2 + trial].tolist()]
         target = cands[int(torch.randint(len(cands), (1,), generator=g))]
         turn = _turn(policy, prompt, cands, target)
-        got = -float(policy.turn_logprobs([turn])[0].sum())
+        got = -float(policy.turn_logprobs([turn])[0].detach().sum())
         want = direct_nll(lm64, prompt, turn.candidate_ids, turn.chosen, 0.7, reduction)
         assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-5), (got, want)
 

@@ -2,7 +2,8 @@
 
 The config schema is the signatures of ``HierAgentModule`` and ``RolloutDataModule``;
 LightningCLI gives ``--help``, ``--print_config`` and dotted overrides such as
-``--trainer.max_steps 3``. ``hieragent envs`` lists the environment names.
+``--trainer.max_steps 3``. ``hieragent envs`` lists the environment names;
+``hieragent bank list|search|export --ckpt_path <ckpt>`` inspects a checkpoint's skill bank.
 
 Errors that come from bad input (a config value, a model path, an env name, a checkpoint)
 are printed as one line, with a non-zero exit; ``HIERAGENT_DEBUG=1`` shows the traceback.
@@ -97,6 +98,17 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["envs"]:
         _list_envs()
+        return
+    if argv[:1] == ["bank"]:
+        from hieragent.memory.inspect import main as bank_main
+
+        try:
+            bank_main(argv[1:])
+        except (ValueError, FileNotFoundError, KeyError) as err:
+            if os.environ.get("HIERAGENT_DEBUG"):
+                raise
+            print(f"hieragent: error: {err}", file=sys.stderr)
+            sys.exit(2)
         return
     from hieragent.lightning.datamodule import RolloutDataModule
     from hieragent.lightning.module import HierAgentModule

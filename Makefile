@@ -7,7 +7,7 @@ CONFIG ?= configs/babyai_hier.yaml
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hieragent-installed
 
-.PHONY: install train train-flat test test-slow bench-objective textworld-games demos warmstart expert-table clean
+.PHONY: install train train-flat test test-slow bench-objective bench-memory textworld-games demos warmstart expert-table ablation-memory clean
 
 install: $(STAMP)
 
@@ -36,6 +36,10 @@ test-slow: install
 bench-objective: install
 	$(BIN)/python -m hieragent.bench.objective
 
+# exact vs IVF/HNSW search at 10k-1M bank keys; prints a table (see hieragent/bench/memory.py)
+bench-memory: install
+	$(BIN)/python -m hieragent.bench.memory
+
 # TextWorld games of every level, default train and held-out seeds, into the hieragent cache
 textworld-games: install
 	$(BIN)/python -m hieragent.envs.textworld_games --level all
@@ -51,6 +55,10 @@ warmstart: demos
 # the experts' success per level, on held-out seeds (the README's reference rows)
 expert-table: install
 	$(BIN)/python -m hieragent.envs.reference --seeds 20
+
+# the tiny RL run with no bank, a fixed bank, and a trained + evolving bank (2 seeds)
+ablation-memory: install
+	$(BIN)/python -m hieragent.bench.memory_ablation
 
 clean:
 	rm -rf lightning_logs .pytest_cache

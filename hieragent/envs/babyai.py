@@ -100,7 +100,7 @@ class BabyAITextEnv(TextEnv):
         import gymnasium
         import minigrid  # noqa: F401  (registers the BabyAI ids)
 
-        self.level = level
+        self.level = self.name = level
         self._max_steps = max_steps
         # The passive checker only warns about spaces BabyAI bends on purpose (missions).
         self._env = gymnasium.make(level, disable_env_checker=True)
@@ -235,18 +235,6 @@ class BabyAITextEnv(TextEnv):
         return list(dict.fromkeys(go + pick + doors + drop + put + ["explore"]))
 
     # ---- subgoals ---------------------------------------------------------------------
-
-    def set_subgoal(self, subgoal: str | None) -> str:
-        if not self._live:
-            raise RuntimeError(f"{self.level}: set_subgoal() needs a live episode; call reset(seed) first")
-        self._subgoal = None
-        if subgoal is None:
-            return ""
-        grounded = self._ground(subgoal)
-        if isinstance(grounded, str):
-            return grounded
-        self._subgoal = grounded
-        return ""
 
     def _ground(self, text: str) -> _Subgoal | str:
         """The subgoal, or why it cannot be used (unparseable, absent, or already done).

@@ -57,13 +57,28 @@ class TextEnv(ABC):
     def step(self, action: str) -> StepResult:
         """Take one action given as free text (matched after ``normalize``)."""
 
-    @abstractmethod
     def set_subgoal(self, subgoal: str | None) -> str:
         """Set the executor's subgoal (``None`` clears it).
 
         Returns ``""`` when the subgoal could be grounded, else feedback for the planner, and
         the subgoal is then cleared. ``StepResult.subgoal_done`` reports its completion.
+        A family grounds text in ``_ground``; it keeps ``name``, ``_live`` (an episode is
+        running) and ``_subgoal`` (the grounded subgoal, or ``None``).
         """
+        if not self._live:
+            raise RuntimeError(f"{self.name}: set_subgoal() needs a live episode; call reset(seed) first")
+        self._subgoal = None
+        if subgoal is None:
+            return ""
+        grounded = self._ground(subgoal)
+        if isinstance(grounded, str):
+            return grounded
+        self._subgoal = grounded
+        return ""
+
+    def _ground(self, text: str) -> object:
+        """The grounded form of subgoal ``text``, or a ``str``: why it cannot be used."""
+        raise NotImplementedError(f"{type(self).__name__} grounds no subgoals")
 
     @property
     @abstractmethod

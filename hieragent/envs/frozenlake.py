@@ -218,17 +218,6 @@ class FrozenLakeTextEnv(TextEnv):
 
     # ---- subgoals -----------------------------------------------------------------------
 
-    def set_subgoal(self, subgoal: str | None) -> str:
-        if not self._live:
-            raise RuntimeError(f"{self.name}: set_subgoal() needs a live episode; call reset(seed) first")
-        self._subgoal = None
-        if subgoal is not None:
-            grounded = self._ground(subgoal)
-            if isinstance(grounded, str):
-                return grounded
-            self._subgoal = grounded
-        return ""
-
     def _ground(self, text: str) -> tuple[str, Cell] | str:
         """The subgoal and its cell, or why it cannot be used.
 

@@ -329,17 +329,6 @@ class SokobanTextEnv(TextEnv):
 
     # ---- subgoals -----------------------------------------------------------------------
 
-    def set_subgoal(self, subgoal: str | None) -> str:
-        if not self._live:
-            raise RuntimeError(f"{self.name}: set_subgoal() needs a live episode; call reset(seed) first")
-        self._subgoal = None
-        if subgoal is not None:
-            grounded = self._ground(subgoal)
-            if isinstance(grounded, str):
-                return grounded
-            self._subgoal = grounded
-        return ""
-
     def _ground(self, text: str) -> tuple[str, str, Cell, str] | str:
         """The subgoal as (text, verb, cell, direction), or why it cannot be used.
 

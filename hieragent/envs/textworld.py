@@ -203,18 +203,6 @@ class TextWorldEnv(TextEnv):
 
     # ---- subgoals ---------------------------------------------------------------------
 
-    def set_subgoal(self, subgoal: str | None) -> str:
-        if not self._live:
-            raise RuntimeError(f"{self.name}: set_subgoal() needs a live episode; call reset(seed) first")
-        self._subgoal = None
-        if subgoal is None:
-            return ""
-        grounded = self._ground(subgoal)
-        if isinstance(grounded, str):
-            return grounded
-        self._subgoal = grounded
-        return ""
-
     def _ground(self, text: str) -> _Subgoal | str:
         """The subgoal, or why it cannot be used (unparseable, unknown, not possible now, done).
 

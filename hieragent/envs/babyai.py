@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hieragent.envs.base import TextEnv, check_env_name, normalize, quote
+from hieragent.envs.base import TextEnv, check_env_name, invalid_action_feedback, normalize, quote
 from hieragent.types import Observation, StepResult
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ class BabyAITextEnv(TextEnv):
             env.step_count += 1
             reward, terminated = -self.invalid_penalty, False
             truncated = env.step_count >= env.max_steps
-            feedback = f"invalid action {quote(action)}; valid actions: {', '.join(ACTIONS)}"
+            feedback = invalid_action_feedback(action, ACTIONS)
         else:
             _, r, terminated, truncated, _ = self._env.step(index)
             reward = float(r)

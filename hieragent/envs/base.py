@@ -37,6 +37,11 @@ def quote(text: str, limit: int = 40) -> str:
     return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
+def invalid_action_feedback(action: str, valid: list[str]) -> str:
+    """What an env says back to an action that is not one of ``valid``."""
+    return f"invalid action {quote(action)}; valid actions: {', '.join(valid)}"
+
+
 class TextEnv(ABC):
     """A text environment with a planner-facing subgoal channel.
 

@@ -15,7 +15,7 @@ import re
 from collections import deque
 from typing import TYPE_CHECKING
 
-from hieragent.envs.base import TextEnv, normalize, quote
+from hieragent.envs.base import TextEnv, invalid_action_feedback, normalize, quote
 from hieragent.types import Observation, StepResult
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ class FrozenLakeTextEnv(TextEnv):
         terminated, reward, feedback = False, 0.0, ""
         if invalid:
             reward = -self.invalid_penalty
-            feedback = f"invalid action {quote(action)}; valid actions: {', '.join(ACTIONS)}"
+            feedback = invalid_action_feedback(action, ACTIONS)
         else:
             state, r, terminated, _, _ = self.unwrapped.step(_GYM_ACTION[key])
             self.player = divmod(int(state), self.size)

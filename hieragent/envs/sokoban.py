@@ -19,7 +19,7 @@ import re
 from collections import deque
 from dataclasses import dataclass
 
-from hieragent.envs.base import TextEnv, normalize, quote
+from hieragent.envs.base import TextEnv, invalid_action_feedback, normalize, quote
 from hieragent.types import Observation, StepResult
 
 Cell = tuple[int, int]  # (row, column)
@@ -249,7 +249,7 @@ class SokobanTextEnv(TextEnv):
         feedback = ""
         if invalid:
             reward = -self.invalid_penalty
-            feedback = f"invalid action {quote(action)}; valid actions: {', '.join(ACTIONS)}"
+            feedback = invalid_action_feedback(action, ACTIONS)
         else:
             self.room = before.move(key)
             placed = len(self.room.boxes & self.room.targets) - len(before.boxes & before.targets)

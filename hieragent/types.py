@@ -115,6 +115,8 @@ class Turn:
         trainer_logprobs: The trainer's own recomputation of ``old_logprobs`` at the rollout
             weights, when truncated IS asks for it (the engine's can differ at equal weights).
         advantage: Filled in by the objectives stage.
+        observation: The observation text the turn was taken in (skill and lesson
+            distillation quote it as the episode's key observation).
     """
 
     role: Role
@@ -132,6 +134,7 @@ class Turn:
     state_key: str = ""
     trainer_logprobs: list[float] | None = None
     advantage: float = 0.0
+    observation: str = ""
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """``make bench-memory``: which index should a large skill bank use?
 
-The bank (``hieragent/memory/bank.py``) searches an exact ``IndexFlatIP``. This script measures,
+The bank (``hieragent/memory/index.py``) searches what ``memory.index`` asks for, by default
+exact ``IndexFlatIP`` with BLAS batches below 50k keys and IVF-Flat (nprobe 16) above; the
+``bank KeyIndex (auto)`` row is that default, measured like the others. This script measures,
 at bank sizes of 10k, 100k and (default) 1M keys of dimension 384, exact search against
 approximate indexes, on three kinds of data:
 
@@ -8,7 +10,7 @@ approximate indexes, on three kinds of data:
     the neighbourhood structure of embeddings; the clusters barely overlap, so this set is
     easier for IVF than real embeddings, and the recommended nprobe also has to hold on MiniLM;
   * minilm: real MiniLM embeddings of generated BabyAI-style mission/observation texts
-    (10k by default: encoding runs at the rate printed in the header, see ``--minilm-sizes``);
+    (10k and 100k by default: encoding runs at the rate printed below, see ``--minilm-sizes``);
   * uniform: random unit vectors, a worst case only; with no neighbourhood structure an
     approximate index cannot find the neighbours.
 
@@ -51,6 +53,8 @@ import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+
+from hieragent.memory.index import IndexSpec, KeyIndex
 
 try:  # threadpoolctl arrives with scikit-learn (via sentence-transformers), not as our own dependency
     from threadpoolctl import threadpool_info, threadpool_limits
@@ -240,6 +244,7 @@ def bench(data: str, x: np.ndarray, q: np.ndarray, seed: int, hnsw_max: int, ivf
         ivf.nprobe = nprobe
         rows.append(measure(Row(data, n, f"IVF{nlist},Flat", f"nprobe {nprobe}", build), top_k(ivf), q, truth))
     del ivf, quantizer
+    rows.append(bank_index_row(data, x, q, truth))
     advance()
 
     if ivfpq:
@@ -269,6 +274,20 @@ def bench(data: str, x: np.ndarray, q: np.ndarray, seed: int, hnsw_max: int, ivf
                                                     "(~12 min to build at 1M on 2 cores)"))
     advance()
     return rows
+
+
+def bank_index_row(data: str, x: np.ndarray, q: np.ndarray, truth: np.ndarray) -> Row:
+    """What the bank itself searches with under the default config (``memory.index.kind: auto``):
+    exact FlatIP with BLAS batches below 50k keys, IVF-Flat (nprobe 16) from there."""
+    index = KeyIndex(DIM, IndexSpec())
+    t0 = time.perf_counter()
+    index.add(np.arange(len(x), dtype=np.int64), x)  # ids = rows, so results compare with truth
+    build = time.perf_counter() - t0
+    params = index.active + (f", nprobe {index.spec.nprobe}" if index.active != "flat" else ", BLAS batches")
+    row = measure(Row(data, len(x), "bank KeyIndex (auto)", params, build), lambda qq: index.search(qq, K)[0],
+                  q, truth)
+    del index
+    return row
 
 
 # ---------------------------------------------------------------- report
@@ -361,7 +380,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000],
                    help="bank sizes for the clustered data")
-    p.add_argument("--minilm-sizes", type=int, nargs="*", default=[10_000],
+    p.add_argument("--minilm-sizes", type=int, nargs="*", default=[10_000, 100_000],
                    help="bank sizes of real MiniLM embeddings (none: skip the encoder)")
     p.add_argument("--uniform-size", type=int, default=100_000, help="size of the worst-case uniform row (0: skip)")
     p.add_argument("--hnsw-max", type=int, default=100_000, help="build HNSW only up to this size")

@@ -4,14 +4,16 @@ The RL sanity run (``configs/tiny_learn.yaml``: tiny random Llama, planner + exe
 BabyAI GoToObjS4, 15 updates) is repeated, for each of ``--seeds``, with:
 
   * no bank: ``model.memory.enabled: false`` (the planner prompt shows no skills);
-  * a fixed bank: the seed skills of ``data/skills.jsonl``, plain top-k retrieval, no
-    skills added (``model.memory.add_skills: false``, ``model.rollout.learn_retrieval: false``);
+  * a fixed bank: the seed skills of ``data/skills.jsonl``, plain top-k retrieval, nothing
+    added (``model.memory.add_skills/add_lessons: false``, ``model.rollout.learn_retrieval: false``);
   * a trained, evolving bank (the config as is): retrieval sampled and its query adapter
-    trained by the planner's advantage, skills added from successful episodes, merged
-    and evicted.
+    trained by the planner's advantage, skills added from successful episodes and lessons
+    from failed ones, merged and evicted;
+  * the same with the contrastive auxiliary loss on the query adapter
+    (``model.memory.contrastive_coef: 0.5``).
 
 The table gives held-out success before and after (64 episodes each), and the bank's
-size and add/merge counts at the end. Each run is a real ``hieragent fit`` subprocess.
+size, lessons and add/merge counts at the end. Each run is a real ``hieragent fit`` subprocess.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from hieragent.bench.objective import read_metrics, run, summary
 
 VARIANTS = [
     ("no bank", ["--model.memory.enabled", "false"]),
-    ("fixed bank, top-k", ["--model.memory.add_skills", "false", "--model.rollout.learn_retrieval", "false"]),
+    ("fixed bank, top-k", ["--model.memory.add_skills", "false", "--model.memory.add_lessons", "false",
+                           "--model.rollout.learn_retrieval", "false"]),
     ("trained + evolving bank", []),
+    ("trained + evolving + contrastive", ["--model.memory.contrastive_coef", "0.5"]),
 ]
 
 
@@ -51,16 +55,18 @@ def main(argv: list[str] | None = None) -> None:
                 progress.advance(task)
     table = Table(title=f"ablation-memory: tiny_learn, {a.batches} updates, seeds {a.seeds}")
     for col in ("bank", "success before", "success after (per seed)", "mean after",
-                "bank size", "skills added", "merged"):
+                "bank size", "lessons", "entries added", "merged"):
         table.add_column(col, justify="left" if col == "bank" else "right")
     for name, rows in results.items():
         after = [s["after"] for s, _ in rows]
         size = [m.get("bank/size", [0.0])[-1] for _, m in rows]
+        lessons = [m.get("bank/size_lesson", [0.0])[-1] for _, m in rows]
         added = [sum(m.get("bank/added", [])) for _, m in rows]
         merged = [sum(m.get("bank/merged", [])) for _, m in rows]
         table.add_row(name, " ".join(f"{s['before']:.3f}" for s, _ in rows),
                       " ".join(f"{x:.3f}" for x in after), f"{statistics.fmean(after):.3f}",
                       " ".join(f"{x:.0f}" for x in size) if any(size) else "-",
+                      " ".join(f"{x:.0f}" for x in lessons) if any(size) else "-",
                       " ".join(f"{x:.0f}" for x in added), " ".join(f"{x:.0f}" for x in merged))
     Console(width=max(Console().width, 140)).print(table)
     print(f"runs kept in {work}")

@@ -11,7 +11,9 @@ different adapters, each forward needing its own backward):
       -> per role, the clipping-triggered normalization scales that role's gradient
       -> one optimizer step over the param groups (planner, executor, query adapter);
          a non-finite loss or gradient skips the step and leaves weights and state alone
-      -> bank update: skills from successful episodes, utilities of the skills used
+      -> bank update (``memory/evolution.py``): utilities of the entries used, skills from
+         successful episodes, lessons from failed ones, merge and evict; every change is
+         appended to ``<log_dir>/bank_changes.jsonl``
 
 The ``__init__`` signature is the config: LightningCLI turns it into YAML and ``--help``.
 """
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ from torchmetrics import MeanMetric, MetricCollection
 
 from hieragent.agents.policy import Executor, Mode, Planner
 from hieragent.memory.bank import MemoryBank
+from hieragent.memory.evolution import BankEvolution, append_changes
+from hieragent.memory.retrieval import contrastive_loss
 from hieragent.memory.settings import MemorySettings
 from hieragent.models.loading import load_causal_lm, load_tokenizer
 from hieragent.models.lora import LoraSettings, add_adapters, adapter_parameters
@@ -42,6 +45,7 @@ from hieragent.objectives.value import TurnValueHead, turn_features, value_loss,
 from hieragent.memory.encoder import embedding_dim, load_encoder
 from hieragent.rollout.loop import RolloutSettings, collect
 from hieragent.rollout.replay import ReplayBuffer, ReplaySettings, staleness
+from hieragent.lightning.state import TRAINABLE_MARKERS, CheckpointHooks
 from hieragent.lightning.warmstart import imitation_step
 from hieragent.types import Batch, Demonstration, Trajectory
 
@@ -49,7 +53,6 @@ log = logging.getLogger(__name__)
 # which roles' gradients each optimizer param group carries
 GROUP_ROLE = {"executor": "executor", "planner": "planner", "query_adapter": "planner", "value": "value"}
 
-TRAINABLE_MARKERS = ("lora_", "planner.query_adapter.", "value_head.")
 
 
 def episode_metrics() -> MetricCollection:
@@ -57,7 +60,7 @@ def episode_metrics() -> MetricCollection:
                              "invalid": MeanMetric()})
 
 
-class HierAgentModule(L.LightningModule):
+class HierAgentModule(CheckpointHooks, L.LightningModule):
     """Planner, executor and memory bank, trained jointly with turn-level clipped IS.
 
     Args:
@@ -130,9 +133,14 @@ class HierAgentModule(L.LightningModule):
             self.planner.bind(self.lm, self.tokenizer)
         self.bank: MemoryBank | None = None
         if self.hierarchical and memory.enabled:
-            self.bank = MemoryBank(memory.embedder, memory.capacity, memory.merge_threshold)
+            self.bank = MemoryBank(memory.embedder, memory.capacity, memory.merge_threshold, memory.index)
             if memory.seed_file:
                 self.bank.seed_from_jsonl(_resolve_data(memory.seed_file))
+            self.bank.drain_changes()  # the seed skills are the config, not a change
+        self.evolution = BankEvolution(self.bank, memory) if self.bank is not None else None
+        self._contrastive: tuple[list, torch.Tensor] | None = None
+        self._skill_keys: np.ndarray | None = None
+        self._val_episodes: list[Trajectory] = []
 
         self.value_head: TurnValueHead | None = None
         if advantage.estimator == "gae":  # ArCHer-style turn critic on frozen state embeddings
@@ -219,6 +227,7 @@ class HierAgentModule(L.LightningModule):
                                              self.objective.kl_estimator, self.objective.micro_batch_turns)
                 self.log(f"{role}/kl_reward", penalty, on_step=True, batch_size=self._episodes)
         values = self._values(batch)
+        self._prepare_contrastive(batch)
         assign_advantages(batch, settings=self.advantage, values=values)
         self.replay.add(batch)
         batches = self.replay.retained(self.global_step)
@@ -278,6 +287,12 @@ class HierAgentModule(L.LightningModule):
                                                         settings.clip_norm_strength)
                 stats[f"{role}/clip_norm_scale"] = scales[role]
                 stats[f"{role}/clip_norm_triggered"] = float(scales[role] < 1.0)
+        if skip is None and self._contrastive is not None:
+            retrievals, positives = self._contrastive
+            c_loss = contrastive_loss(self.planner.query_adapter, retrievals, positives,
+                                      self.memory_settings.contrastive_temperature, self.bank.merge_threshold)
+            self.manual_backward(self.memory_settings.contrastive_coef * c_loss)
+            stats["memory/contrastive_loss"] = float(c_loss.detach())
         if skip is None and self._value_batch is not None:
             features, roles, targets = self._value_batch
             v_loss = value_loss(self.value_head(features, roles), targets)
@@ -311,23 +326,23 @@ class HierAgentModule(L.LightningModule):
             logger.log_metrics(stats, step=version)
         return skip
 
+    def _prepare_contrastive(self, batch: Batch) -> None:
+        self._contrastive = self._skill_keys = None
+        if self.evolution is not None:
+            self._skill_keys, self._contrastive = self.evolution.prepare(batch)
+
     def _update_bank(self, batch: Batch) -> None:
-        if self.bank is None:
+        if self.evolution is None:
             return
-        before = dict(self.bank.events) if hasattr(self.bank, "events") else {}
-        for trajectory in batch.trajectories:
-            used = sorted({e for t in trajectory.of("planner") if t.retrieval is not None
-                           for e in (t.retrieval.entry_ids[c] for c in t.retrieval.chosen)})
-            if used:
-                self.bank.record_use(used, trajectory.env_return)
-        if self.memory_settings.add_skills:
-            texts = [skill_text(t) for t in batch.trajectories if t.success and t.of("planner")]
-            if texts:
-                self.bank.add(texts, kind="skill", source="rollout", step=self.global_step)
-        after = dict(self.bank.events) if hasattr(self.bank, "events") else {}
-        logged = {f"bank/{k}": float(after.get(k, 0) - before.get(k, 0)) for k in after}
-        logged["bank/size"] = float(len(self.bank))
-        self.log_dict(logged, on_step=True, on_epoch=False, batch_size=self._episodes)
+        stats, changes = self.evolution.update(batch, self.global_step, self._skill_keys)
+        self._skill_keys = None
+        self._write_changes(changes)
+        self.log_dict({k: v for k, v in stats.items() if not math.isnan(v)},
+                      on_step=True, on_epoch=False, batch_size=self._episodes)
+
+    def _write_changes(self, changes: list[dict[str, Any]]) -> None:
+        if self._trainer is not None and self.trainer.log_dir is not None and self.trainer.is_global_zero:
+            append_changes(Path(self.trainer.log_dir) / "bank_changes.jsonl", changes)
 
     # -- evaluation --------------------------------------------------------------------
     def _log_episodes(self, trajectories: list[Trajectory], metrics: MetricCollection,
@@ -347,6 +362,18 @@ class HierAgentModule(L.LightningModule):
 
     def validation_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._log_episodes(batch.trajectories, self._eval_metrics("val", dataloader_idx), on_step=False)
+        self._val_episodes.extend(batch.trajectories)
+
+    def on_validation_epoch_end(self) -> None:
+        episodes, self._val_episodes = self._val_episodes, []
+        if self.evolution is None or not episodes or self.trainer.sanity_checking:
+            return
+        if self.trainer.state.fn != "fit":
+            return
+        success = sum(t.success for t in episodes) / len(episodes)
+        stats = self.evolution.on_validation(success, [t for t in episodes if not t.success], self.global_step)
+        self._write_changes(self.bank.drain_changes())
+        self.log_dict(stats, on_step=False, on_epoch=True, batch_size=len(episodes))
 
     def test_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._log_episodes(batch.trajectories, self._eval_metrics("test", dataloader_idx), on_step=False)
@@ -369,72 +396,6 @@ class HierAgentModule(L.LightningModule):
         if key in self.env_metrics:
             return self.env_metrics[key]
         return self.val_metrics if stage == "val" else self.test_metrics
-
-    # -- checkpoints -------------------------------------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint["state_dict"]
-        for key in [k for k in state if not any(m in k for m in TRAINABLE_MARKERS)]:
-            del state[key]
-        checkpoint["hieragent"] = {
-            "bank": self.bank.state_dict() if self.bank is not None else None,
-            "replay": self.replay.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_state(),
-                    "python": list(random.getstate()[1]), "python_pos": random.getstate()[2]},
-        }
-
-    def load_weights(self, path: str) -> None:
-        """Adapters, query adapter and bank from checkpoint ``path`` (``model.init_from``)."""
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"model.init_from: checkpoint '{path}' does not exist")
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as err:  # a torn or foreign file: say which, not a pickle trace
-            raise ValueError(f"model.init_from: '{path}' is not a readable checkpoint ({err})") from None
-        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-            raise ValueError(f"model.init_from: '{path}' has no state_dict; is it a Lightning checkpoint?")
-        self._check_adapters(checkpoint, f"model.init_from '{path}'")
-        self.load_state_dict(checkpoint["state_dict"], strict=False)
-        bank = checkpoint.get("hieragent", {}).get("bank")
-        if self.bank is not None and bank is not None:
-            self.bank.load_state_dict(bank)
-
-    def _check_adapters(self, checkpoint: dict[str, Any], what: str) -> None:
-        expected = {k for k in self.state_dict() if any(m in k for m in TRAINABLE_MARKERS)}
-        missing = sorted(expected - set(checkpoint.get("state_dict", {})))
-        if missing:
-            raise ValueError(f"{what} lacks {len(missing)} adapter weights this model expects "
-                             f"(first: {missing[0]}); was it written with another model or lora "
-                             "config?")
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._check_adapters(checkpoint, "checkpoint")
-        extra = checkpoint.get("hieragent", {})
-        if self.bank is not None and extra.get("bank") is not None:
-            self.bank.load_state_dict(extra["bank"])
-        if extra.get("replay") is not None:
-            self.replay.load_state_dict(extra["replay"])
-        rng = extra.get("rng")
-        if rng:
-            torch.set_rng_state(rng["torch"])
-            np.random.set_state(_numpy_restore(rng["numpy"]))
-            random.setstate((3, tuple(rng["python"]), rng["python_pos"]))
-
-
-def skill_text(trajectory: Trajectory) -> str:
-    """A skill distilled from a successful episode: its mission and its subgoal sequence."""
-    plan = [t.text for t in trajectory.of("planner")]
-    return f"mission: {trajectory.mission}. plan: {', '.join(plan)}"
-
-
-def _numpy_state() -> dict[str, Any]:
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-            "has_gauss": int(has_gauss), "gauss": float(gauss)}
-
-
-def _numpy_restore(state: dict[str, Any]) -> tuple:
-    return (state["name"], state["keys"].numpy().astype(np.uint32), state["pos"],
-            state["has_gauss"], state["gauss"])
 
 
 def _resolve_data(path: str) -> Path:

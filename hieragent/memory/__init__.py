@@ -7,7 +7,9 @@ recomputed for the importance ratio by ``retrieval_logprob``.
 from hieragent.memory.adapter import QueryAdapter
 from hieragent.memory.bank import KINDS, MemoryBank
 from hieragent.memory.encoder import MINILM, MINILM_PACKAGE, embed, embedding_dim, load_encoder
+from hieragent.memory.index import INDEX_KINDS, IndexSpec, KeyIndex
 from hieragent.memory.retrieval import (
+    contrastive_loss,
     plackett_luce_logprob,
     retrieval_logprob,
     sample_retrieval,
@@ -15,11 +17,15 @@ from hieragent.memory.retrieval import (
 )
 
 __all__ = [
+    "INDEX_KINDS",
     "KINDS",
     "MINILM",
     "MINILM_PACKAGE",
+    "IndexSpec",
+    "KeyIndex",
     "MemoryBank",
     "QueryAdapter",
+    "contrastive_loss",
     "embed",
     "embedding_dim",
     "load_encoder",

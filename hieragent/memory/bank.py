@@ -13,28 +13,23 @@ wrong in a failed one). A bank on disk is ``keys.npy`` + ``entries.jsonl`` + ``m
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import faiss
 import numpy as np
 import torch
 
 from hieragent.memory.encoder import MINILM, embed, embedding_dim, load_encoder
 from hieragent.memory.index import IndexSpec, KeyIndex
+from hieragent.memory.store import COLUMNS, load_bank, read_jsonl, save_bank
 
 FORMAT_VERSION = 2  # 2 added the index spec and the built index; 1 loads (its index is rebuilt)
 READABLE_VERSIONS = (1, 2)
 KINDS: tuple[str, ...] = ("skill", "episodic", "lesson")
 CHANGE_LOG_LIMIT = 10_000  # changes kept until the trainer drains them into bank_changes.jsonl
-_COLUMNS = ("kinds", "texts", "sources", "created_steps", "uses", "utilities", "merges")
 
 
 @dataclass
@@ -48,29 +43,6 @@ class _Entry:
     uses: int = 0  # episodes that retrieved it (record_use calls)
     utility: float = 0.0  # running mean of those episodes' returns
     merges: int = 0  # near-duplicate texts folded into it by add()
-
-
-def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(line number, object)``; a bad line raises ValueError naming file and line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            yield lineno, obj
-
-
-def _write_synced(path: Path, write: Callable[[Any], Any], binary: bool = False) -> None:
-    """Write and fsync, so a crash just after the rename cannot publish an empty or torn file."""
-    with open(path, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class MemoryBank:
@@ -100,6 +72,7 @@ class MemoryBank:
         self.events: Counter[str] = Counter(added=0, merged=0, evicted=0)
         self.index_spec = index or IndexSpec()
         self.changes: list[dict[str, Any]] = []
+        self.latency: Counter[str] = Counter()  # retrieval calls: "queries" served, "seconds" spent
         self._entries: dict[int, _Entry] = {}
         self._index: KeyIndex | None = None
         self._dim: int | None = None
@@ -160,6 +133,16 @@ class MemoryBank:
             return self._entries[int(entry_id)]
         except KeyError:
             raise KeyError(f"memory bank has no entry with id {int(entry_id)} (evicted or never added)") from None
+
+    def utility(self, entry_id: int) -> float:
+        """An entry's running utility; 0 for an id evicted since (or -1)."""
+        e = self._entries.get(int(entry_id))
+        return 0.0 if e is None else e.utility
+
+    def record_latency(self, queries: int, seconds: float) -> None:
+        """Count one retrieval call (the trainer logs milliseconds per query from these)."""
+        self.latency["queries"] += int(queries)
+        self.latency["seconds"] += float(seconds)
 
     def texts(self, ids: Sequence[int] | np.ndarray) -> list[str]:
         return [self._get(i).text for i in np.asarray(ids, dtype=np.int64).ravel()]
@@ -314,7 +297,7 @@ class MemoryBank:
         if not path.is_file():
             raise FileNotFoundError(f"seed file {path} does not exist")
         rows: list[tuple[str, str, str]] = []
-        for lineno, obj in _read_jsonl(path):
+        for lineno, obj in read_jsonl(path):
             text, kind = obj.get("text"), obj.get("kind", "skill")
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(f"{path}:{lineno}: needs a non-empty string 'text'")
@@ -379,7 +362,7 @@ class MemoryBank:
             )
         ids = np.ascontiguousarray(torch.as_tensor(state["ids"]).numpy(), dtype=np.int64).reshape(-1)
         keys = np.ascontiguousarray(torch.as_tensor(state["keys"]).numpy(), dtype=np.float32)
-        if keys.shape != (len(ids), dim) or any(len(state[c]) != len(ids) for c in _COLUMNS):
+        if keys.shape != (len(ids), dim) or any(len(state[c]) != len(ids) for c in COLUMNS):
             raise ValueError(f"memory bank state is inconsistent: {len(ids)} ids, keys {keys.shape}, dim {dim}")
         if len(set(ids.tolist())) != len(ids) or (len(ids) and int(ids.max()) >= int(state["next_id"])):
             raise ValueError("memory bank state has duplicate ids or ids beyond next_id")
@@ -392,76 +375,29 @@ class MemoryBank:
             raise ValueError(f"memory bank state has unknown kinds {bad_kinds}; known: {', '.join(KINDS)}")
         entries = {
             int(i): _Entry(kind=k, text=t, source=s, created_step=int(c), uses=int(u), utility=float(v), merges=int(m))
-            for i, k, t, s, c, u, v, m in zip(ids, *(state[c] for c in _COLUMNS))
+            for i, k, t, s, c, u, v, m in zip(ids, *(state[c] for c in COLUMNS))
         }
         self._index, self._entries, self._dim = index, entries, dim
         self._next_id = int(state["next_id"])
         self.events = Counter({k: int(v) for k, v in state.get("events", {}).items()})
 
-    def save(self, path: str | Path) -> None:
-        """Write ``keys.npy``, ``entries.jsonl``, ``meta.json`` (and ``index.npy``) into ``path``.
-
-        Atomic: everything is written to a temp dir beside ``path`` and renamed over it; the old
-        bank is moved aside first and restored if the swap fails, so it stays readable.
-        """
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        state = self.state_dict()
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-        old: Path | None = None
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> MemoryBank:
+        """A bank configured as ``state`` was (embedder, capacity, threshold, index) and holding it."""
         try:
-            _write_synced(tmp / "keys.npy", lambda f: np.save(f, state["keys"].numpy(), allow_pickle=False), True)
-            cols = [state["ids"].tolist(), *(state[c] for c in _COLUMNS)]
-            names = ("id", "kind", "text", "source", "created_step", "uses", "utility", "merges")
-            lines = "".join(json.dumps(dict(zip(names, row))) + "\n" for row in zip(*cols))
-            _write_synced(tmp / "entries.jsonl", lambda f: f.write(lines))
-            meta = {k: state[k] for k in ("format_version", "embedder", "dim", "capacity",
-                                          "merge_threshold", "next_id", "events", "index")}
-            index_state = state["index_state"]
-            meta["index_state"] = {k: index_state[k] for k in ("active", "trained_at")}
-            if index_state["faiss"] is not None:
-                blob = index_state["faiss"].numpy()
-                _write_synced(tmp / "index.npy", lambda f: np.save(f, blob, allow_pickle=False), True)
-            _write_synced(tmp / "meta.json", lambda f: json.dump(meta, f, indent=1))
-            if path.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-                os.replace(path, old / path.name)
-            os.replace(tmp, path)
-        except BaseException:
-            if old is not None and not path.exists():
-                os.replace(old / path.name, path)
-            shutil.rmtree(tmp, ignore_errors=True)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            spec = IndexSpec(**state.get("index", {}))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"memory bank state has a bad 'index' ({e})") from e
+        bank = cls(state["embedder"], capacity=int(state["capacity"]),
+                   merge_threshold=float(state["merge_threshold"]), index=spec)
+        bank.load_state_dict(state)
+        return bank
+
+    def save(self, path: str | Path) -> None:
+        """Write the bank into directory ``path`` atomically (see ``memory/store.py``)."""
+        save_bank(self, path)
 
     @classmethod
     def load(cls, path: str | Path) -> MemoryBank:
         """Read a bank written by ``save``; its embedder, capacity, threshold and index come from meta."""
-        path = Path(path)
-        if not (path / "meta.json").is_file():
-            raise FileNotFoundError(f"no memory bank at {path} (expected keys.npy, entries.jsonl, meta.json)")
-        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
-        keys = np.load(path / "keys.npy", allow_pickle=False)
-        rows = [obj for _, obj in _read_jsonl(path / "entries.jsonl")]
-        fields = ("kind", "text", "source", "created_step", "uses", "utility", "merges")
-        state = {
-            **meta,
-            "ids": torch.tensor([r["id"] for r in rows], dtype=torch.int64),
-            "keys": torch.from_numpy(keys),
-            **{c: [r[f] for r in rows] for c, f in zip(_COLUMNS, fields)},
-        }
-        index_state = dict(meta.get("index_state") or {})
-        if (path / "index.npy").is_file():
-            index_state["faiss"] = torch.from_numpy(np.load(path / "index.npy", allow_pickle=False))
-        state["index_state"] = index_state
-        try:
-            spec = IndexSpec(**meta.get("index", {}))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{path / 'meta.json'}: bad 'index' ({e})") from e
-        bank = cls(embedder=meta["embedder"], capacity=int(meta["capacity"]),
-                   merge_threshold=float(meta["merge_threshold"]), index=spec)
-        bank.load_state_dict(state)
-        return bank
+        return load_bank(path, cls)

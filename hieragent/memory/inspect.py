@@ -28,23 +28,13 @@ SORT_KEYS = {"utility": lambda e: -e["utility"], "uses": lambda e: -e["uses"],
 
 def bank_from_checkpoint(path: str | Path) -> MemoryBank:
     """The bank saved in a hieragent checkpoint; clear errors for a missing or foreign file."""
-    import torch
+    from hieragent.lightning.state import read_checkpoint  # torch loads only when a command runs
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint '{path}' does not exist")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise ValueError(f"'{path}' is not a readable checkpoint ({err})") from None
-    state = checkpoint.get("hieragent", {}).get("bank") if isinstance(checkpoint, dict) else None
+    state = read_checkpoint(path, "hieragent bank").get("hieragent", {}).get("bank")
     if state is None:
         raise ValueError(f"checkpoint '{path}' holds no memory bank (a run with model.memory.enabled: "
                          "false, or not a hieragent checkpoint)")
-    bank = MemoryBank(state["embedder"], capacity=int(state["capacity"]),
-                      merge_threshold=float(state["merge_threshold"]))
-    bank.load_state_dict(state)
-    return bank
+    return MemoryBank.from_state(state)
 
 
 def entries(bank: MemoryBank) -> list[dict[str, Any]]:

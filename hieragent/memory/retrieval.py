@@ -14,6 +14,7 @@ the importance ratio after the adapter has moved, without touching the bank.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -89,6 +90,35 @@ def retrieval_logprob(adapter: QueryAdapter | None, retrievals: Sequence[Retriev
     return plackett_luce_logprob(logits, chosen.to(device), chosen_mask.to(device))
 
 
+def contrastive_loss(adapter: QueryAdapter, retrievals: Sequence[Retrieval], positives: torch.Tensor,
+                     temperature: float, same_above: float = 0.95) -> torch.Tensor:
+    """InfoNCE of adapted queries toward the keys of skills that worked, mean over ``B``.
+
+    For retrieval ``b`` with candidate keys ``k_1..k_N`` and positive key ``p_b`` (the skill
+    its successful episode was distilled into),
+
+        L_b = -log [ exp(<A(q_b), p_b>/T) / (exp(<A(q_b), p_b>/T) + sum_i exp(<A(q_b), k_i>/T)) ]
+
+    where candidates with ``<k_i, p_b> >= same_above`` are left out: they are the positive
+    itself (or a near-duplicate merged into it), not a negative.
+
+    Args:
+        retrievals: ``B`` recorded retrievals (query and candidate keys).
+        positives: ``[B, D]`` unit keys.
+    """
+    if len(retrievals) != len(positives):
+        raise ValueError(f"contrastive_loss got {len(retrievals)} retrievals and {len(positives)} positives")
+    param = next(adapter.parameters())
+    losses = []
+    for r, p in zip(retrievals, positives.to(param)):
+        q = adapter(torch.tensor([r.query], dtype=param.dtype, device=param.device))[0]  # [D]
+        keys = torch.tensor(r.keys, dtype=param.dtype, device=param.device).reshape(-1, len(r.query))  # [N, D]
+        negatives = keys[keys @ p < same_above]  # [N', D]
+        logits = torch.cat([(q @ p)[None], negatives @ q]) / temperature  # [1 + N']
+        losses.append(torch.logsumexp(logits, 0) - logits[0])
+    return torch.stack(losses).mean() if losses else torch.zeros((), dtype=param.dtype, device=param.device)
+
+
 def sample_retrievals(
     bank: MemoryBank,
     adapter: QueryAdapter | None,
@@ -112,6 +142,7 @@ def sample_retrievals(
     Returns:
         One ``(chosen texts in draw order, Retrieval)`` per query; ``([], None)`` for an empty bank.
     """
+    started = time.perf_counter()
     if n < 1 or k < 1 or k > n:
         raise ValueError(f"retrieval needs 1 <= k <= n, got n={n}, k={k}")
     if temperature <= 0:
@@ -156,6 +187,7 @@ def sample_retrievals(
         old = retrieval_logprob(adapter, retrievals).double().cpu().tolist()
     for r, lp in zip(retrievals, old):
         r.old_logprob = lp
+    bank.record_latency(num, time.perf_counter() - started)
     return [(bank.texts([r.entry_ids[c] for c in r.chosen]), r) for r in retrievals]
 
 

@@ -143,6 +143,7 @@ def _planner_turns(pool, states, idx, planner, bank, settings, greedy, version, 
         turn.segment, turn.retrieval = state.segment, retrievals[j]
         # the state, not the prompt: retrieved skills and feedback are left out (GiGPO anchors)
         turn.state_key = planner_text(state.observation.mission, state.observation.text, [], None)
+        turn.observation = state.observation.text
         state.trajectory.turns.append(turn)
         state.plan_turn, state.subgoal = turn, turn.text
         state.needs_plan, state.segment_steps = False, 0
@@ -169,6 +170,7 @@ def _executor_turns(pool, states, idx, executor, settings, hierarchical, greedy,
         state, result = states[i], results[i]
         trajectory = state.trajectory
         turn.state_key = executor_text(state.subgoal, state.observation.text, None)  # pre-step view
+        turn.observation = state.observation.text
         achieved = hierarchical and result.subgoal_done
         turn.reward = result.reward + (settings.intrinsic_reward if achieved else 0.0)
         turn.segment, turn.done = state.segment, result.done

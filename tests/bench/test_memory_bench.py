@@ -8,8 +8,10 @@ from hieragent.bench.memory import EXACT, main, mission_texts
 def test_bench_prints_every_index_and_exact_paths_agree(capsys):
     rows = main(["--quick"])
     out = capsys.readouterr().out
-    for name in (*EXACT, "IVF128,Flat", "HNSW32", "recommended large-bank default", "finding"):
+    for name in (*EXACT, "IVF128,Flat", "HNSW32", "bank KeyIndex (auto)", "recommended large-bank default", "finding"):
         assert name in out
+    bank = [r for r in rows if r.index == "bank KeyIndex (auto)"]
+    assert len(bank) == 2 and all(r.recall == 1.0 and r.params.startswith("flat") for r in bank)  # 2k keys: exact
     for data in ("clustered", "uniform"):
         exact = [r for r in rows if r.data == data and r.exact]
         assert len(exact) == len(EXACT)

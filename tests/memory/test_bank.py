@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hieragent.memory import bank as bank_mod
+from hieragent.memory import store as store_mod
 from hieragent.memory.bank import MemoryBank
 from hieragent.memory.encoder import load_encoder
 
@@ -188,7 +189,7 @@ def test_failed_swap_after_temp_write_leaves_previous_bank_intact(tmp_path, monk
             raise OSError("disk vanished")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(bank_mod.os, "replace", replace)
+    monkeypatch.setattr(store_mod.os, "replace", replace)
     with pytest.raises(OSError, match="disk vanished"):
         new.save(tmp_path / "bank")
     monkeypatch.undo()
@@ -199,14 +200,14 @@ def test_failed_swap_after_temp_write_leaves_previous_bank_intact(tmp_path, monk
 def test_failed_write_midway_leaves_previous_bank_intact(tmp_path, monkeypatch):
     old = random_bank(seed=12, n=6)
     old.save(tmp_path / "bank")
-    real_write = bank_mod._write_synced
+    real_write = store_mod.write_synced
 
     def write(path, *args, **kw):
         if Path(path).name == "meta.json":
             raise RuntimeError("killed while writing")
         return real_write(path, *args, **kw)
 
-    monkeypatch.setattr(bank_mod, "_write_synced", write)
+    monkeypatch.setattr(store_mod, "write_synced", write)
     with pytest.raises(RuntimeError, match="killed"):
         random_bank(seed=13, n=9).save(tmp_path / "bank")
     assert_banks_equal(old, MemoryBank.load(tmp_path / "bank"))

@@ -25,6 +25,25 @@ from hieragent.models.loading import set_offline
 
 
 class HierAgentCLI(LightningCLI):
+    def _parse_ckpt_path(self) -> None:
+        """Resuming keeps the model settings given now (config file and flags).
+
+        Lightning 2.6 replaces them with the checkpoint's hyper-parameters, which silently
+        drops a flag such as ``--model.memory.index.kind flat`` on resume. Here what was given
+        wins, and every model setting that differs from the checkpoint's is named on stderr.
+        """
+        sub = self.config.get("subcommand")
+        given = self.config.get(sub, {}).get("model") if sub else None
+        if given is None:
+            return super()._parse_ckpt_path()
+        given = given.clone()
+        check_checkpoint_if_given(self.config[sub].get("ckpt_path"))
+        super()._parse_ckpt_path()
+        saved = self.config[sub]["model"]
+        for key, (now, then) in sorted(setting_differences(given, saved).items()):
+            sys.stderr.write(f"resuming with model.{key}={now!r}; the checkpoint was trained with {then!r}\n")
+        self.config[sub]["model"] = given
+
     def before_instantiate_classes(self) -> None:
         ckpt = self.config.get(str(self.subcommand), {}).get("ckpt_path") if self.subcommand else None
         if ckpt and ckpt not in ("last", "best", "hpc", "registry"):
@@ -54,6 +73,27 @@ def align_logger_versions(loggers: list) -> None:
     for other in loggers[1:]:
         if hasattr(other, "_version") and other.root_dir == first.root_dir:
             other._version = first.version  # both loggers keep the version in _version
+
+
+def setting_differences(given: Any, saved: Any) -> dict[str, tuple[Any, Any]]:
+    """Dotted keys whose values differ between two parsed configs: ``{key: (given, saved)}``."""
+    def flat(ns: Any, prefix: str = "") -> dict[str, Any]:
+        items = ns.as_dict() if hasattr(ns, "as_dict") else ns
+        out: dict[str, Any] = {}
+        for k, v in (items.items() if isinstance(items, dict) else []):
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    a, b = flat(given), flat(saved)
+    return {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+
+
+def check_checkpoint_if_given(path: str | None) -> None:
+    if path and path not in ("last", "best", "hpc", "registry"):
+        check_checkpoint(path)
 
 
 def check_checkpoint(path: str) -> None:

@@ -33,21 +33,20 @@ class HierAgentCLI(LightningCLI):
         wins, and every model setting that differs from the checkpoint's is named on stderr.
         """
         sub = self.config.get("subcommand")
-        given = self.config.get(sub, {}).get("model") if sub else None
+        if not sub:
+            return
+        ckpt = self.config[sub].get("ckpt_path")
+        if ckpt and ckpt not in ("last", "best", "hpc", "registry"):
+            check_checkpoint(ckpt)  # a one-line error before Lightning's own torch.load
+        given = self.config[sub].get("model")
         if given is None:
             return super()._parse_ckpt_path()
         given = given.clone()
-        check_checkpoint_if_given(self.config[sub].get("ckpt_path"))
         super()._parse_ckpt_path()
         saved = self.config[sub]["model"]
         for key, (now, then) in sorted(setting_differences(given, saved).items()):
             sys.stderr.write(f"resuming with model.{key}={now!r}; the checkpoint was trained with {then!r}\n")
         self.config[sub]["model"] = given
-
-    def before_instantiate_classes(self) -> None:
-        ckpt = self.config.get(str(self.subcommand), {}).get("ckpt_path") if self.subcommand else None
-        if ckpt and ckpt not in ("last", "best", "hpc", "registry"):
-            check_checkpoint(ckpt)
 
     def instantiate_trainer(self, **kwargs: Any):
         from hieragent.lightning.callbacks import AtomicCheckpointIO
@@ -89,11 +88,6 @@ def setting_differences(given: Any, saved: Any) -> dict[str, tuple[Any, Any]]:
 
     a, b = flat(given), flat(saved)
     return {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
-
-
-def check_checkpoint_if_given(path: str | None) -> None:
-    if path and path not in ("last", "best", "hpc", "registry"):
-        check_checkpoint(path)
 
 
 def check_checkpoint(path: str) -> None:

@@ -54,7 +54,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from hieragent.memory.index import IndexSpec, KeyIndex
+from hieragent.memory.index import IndexSpec, KeyIndex, auto_nlist
 
 try:  # threadpoolctl arrives with scikit-learn (via sentence-transformers), not as our own dependency
     from threadpoolctl import threadpool_info, threadpool_limits
@@ -209,10 +209,6 @@ def measure(row: Row, search: Callable[[np.ndarray], np.ndarray], q: np.ndarray,
     return row
 
 
-def nlist_for(n: int) -> int:
-    return 2 ** round(math.log2(4 * math.sqrt(n)))
-
-
 def bench(data: str, x: np.ndarray, q: np.ndarray, seed: int, hnsw_max: int, ivfpq: bool,
           advance: Callable[[], None]) -> list[Row]:
     n = len(x)
@@ -229,7 +225,7 @@ def bench(data: str, x: np.ndarray, q: np.ndarray, seed: int, hnsw_max: int, ivf
     del flat
     advance()
 
-    nlist = nlist_for(n)
+    nlist = auto_nlist(n)
     train = x[np.random.default_rng(seed).choice(n, size=min(n, 64 * nlist), replace=False)]
     quantizer = faiss.IndexFlatIP(DIM)
     ivf = faiss.IndexIVFFlat(quantizer, DIM, nlist, faiss.METRIC_INNER_PRODUCT)

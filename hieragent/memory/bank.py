@@ -111,6 +111,13 @@ class MemoryBank:
             raise ValueError(f"{what} must have shape [N, {self._dim or 'D'}], got {a.shape}")
         return a
 
+    def _unit_keys(self, texts: Sequence[str], keys: np.ndarray | None) -> np.ndarray:
+        """Keys for ``texts``: the given ones, checked to be unit rows, or fresh embeddings."""
+        vecs = self.embed(texts) if keys is None else self._as_matrix(keys, "keys")
+        if not np.allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-3):
+            raise ValueError("keys must be L2-normalised (inner product is used as cosine)")
+        return vecs
+
     # ---- reading ---------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._entries)
@@ -193,12 +200,9 @@ class MemoryBank:
             raise ValueError(f"add got {len(texts)} texts but {len(sources)} sources")
         if not texts:
             return []
-        vecs = self.embed(texts) if keys is None else self._as_matrix(keys, "keys")
+        vecs = self._unit_keys(texts, keys)
         if len(vecs) != len(texts):
             raise ValueError(f"add got {len(texts)} texts but {len(vecs)} keys")
-        norms = np.linalg.norm(vecs, axis=1)
-        if not np.allclose(norms, 1.0, atol=1e-3):
-            raise ValueError("keys must be L2-normalised (inner product is used as cosine)")
         if self._index is None:
             self._dim = vecs.shape[1]
             self._index = KeyIndex(self._dim, self.index_spec)
@@ -236,9 +240,7 @@ class MemoryBank:
         """Replace an entry's text and key (re-embedded unless ``key`` is given), keeping its id
         and statistics; retrievals recorded before stay valid because the id does not change."""
         entry = self._get(entry_id)
-        vec = self.embed([text]) if key is None else self._as_matrix(key, "key")
-        if not np.allclose(np.linalg.norm(vec, axis=1), 1.0, atol=1e-3):
-            raise ValueError("keys must be L2-normalised (inner product is used as cosine)")
+        vec = self._unit_keys([text], key)
         assert self._index is not None
         self._index.remove(np.array([entry_id], dtype=np.int64))
         self._index.add(np.array([entry_id], dtype=np.int64), vec[:1])

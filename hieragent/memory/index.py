@@ -135,9 +135,6 @@ class KeyIndex:
     def ids(self) -> np.ndarray:
         return self._ids.copy()
 
-    def __contains__(self, entry_id: int) -> bool:
-        return int(entry_id) in self._row
-
     def reconstruct(self, ids: np.ndarray) -> np.ndarray:
         """Exact stored keys ``[len(ids), D]``; unknown ids raise KeyError."""
         rows = [self._row[int(i)] for i in ids]
@@ -162,17 +159,17 @@ class KeyIndex:
         out_scores = np.empty((len(q), n), dtype=np.float32)
         short: list[int] = []
         for b in range(len(q)):
-            found = [int(i) for i in ids[b] if i >= 0 and int(i) not in self._tombstones]
-            if len(found) < n:
+            keep = [j for j, i in enumerate(ids[b]) if i >= 0 and int(i) not in self._tombstones]
+            if len(keep) < n:
                 short.append(b)
                 continue
+            found = ids[b, keep]
             if self.active == "ivf_pq":  # exact re-scoring of the compressed candidates
-                exact = self.reconstruct(np.asarray(found)) @ q[b]
+                exact = self.reconstruct(found) @ q[b]
                 order = np.argsort(-exact, kind="stable")[:n]
-                out_ids[b], out_scores[b] = np.asarray(found)[order], exact[order]
+                out_ids[b], out_scores[b] = found[order], exact[order]
             else:
-                keep = [j for j, i in enumerate(ids[b]) if i >= 0 and int(i) not in self._tombstones][:n]
-                out_ids[b], out_scores[b] = ids[b, keep], scores[b, keep]
+                out_ids[b], out_scores[b] = found[:n], scores[b, keep[:n]]
         if short:
             out_ids[short], out_scores[short] = self._exact(q[short], n)
         return out_ids, out_scores

@@ -134,7 +134,7 @@ def main(args: list[str] | None = None) -> None:
         _list_envs()
         return
     if argv[:1] == ["bank"]:
-        from hieragent.memory.inspect import main as bank_main
+        from hieragent.bank_command import main as bank_main
 
         try:
             bank_main(argv[1:])

@@ -18,8 +18,8 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from hieragent.agents.prompts import EXECUTOR_SYSTEM, PLANNER_SYSTEM
-from hieragent.agents.scoring import candidate_logprobs, continuation_logprobs, left_pad
+from hieragent.agents.prompts import EXECUTOR_SYSTEM, PLANNER_SYSTEM, system_text
+from hieragent.agents.scoring import candidate_logprobs, continuation_logprobs, left_pad, token_logprobs
 from hieragent.memory.adapter import QueryAdapter
 from hieragent.memory.retrieval import retrieval_logprob
 from hieragent.types import Role, Turn
@@ -40,7 +40,7 @@ class Policy(L.LightningModule):
     """
 
     role: Role = "executor"
-    system_prompt: str = ""
+    system_prompt: str = ""  # a template of ``prompts``, with ``{world}`` to fill in
 
     def __init__(self, adapter: str, mode: Mode = "score", temperature: float = 1.0,
                  max_new_tokens: int = 12, score_reduction: str = "sum") -> None:
@@ -57,6 +57,7 @@ class Policy(L.LightningModule):
         self.temperature = temperature
         self.max_new_tokens = max_new_tokens
         self._candidate_cache: dict[str, list[int]] = {}
+        self.reference_adapter: str | None = None  # None: the base model is the reference
 
     def bind(self, lm: torch.nn.Module, tokenizer) -> None:
         # a plain attribute, not a submodule: the joint module owns the LM's parameters
@@ -72,13 +73,24 @@ class Policy(L.LightningModule):
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
-        """Run the shared LM as the reference policy: the base model, adapters disabled."""
+        """Run the shared LM as the reference policy: the frozen ``reference_adapter`` if one
+        is set (after a warm start), else the base model with adapters disabled."""
+        if self.reference_adapter is not None:
+            self.lm.set_adapter(self.reference_adapter, inference_mode=True)
+            try:
+                yield
+            finally:
+                self.lm.set_adapter(self.adapter)
+            return
         with self.lm.disable_adapter() if hasattr(self.lm, "disable_adapter") else contextlib.nullcontext():
             yield
 
     # -- token ids ---------------------------------------------------------------------
-    def prompt_ids(self, text: str) -> list[int]:
-        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": text}]
+    def prompt_ids(self, text: str, world: str | None = None) -> list[int]:
+        """Chat-template ids of ``text`` under this role's system prompt for an env of
+        ``world`` (its family's ``TextEnv.world``; ``None``: BabyAI's grid world)."""
+        system = system_text(self.system_prompt, world)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": text}]
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
@@ -135,8 +147,7 @@ class Policy(L.LightningModule):
             eos_token_id=self.tokenizer.eos_token_id,
         )
         new = out.sequences[:, ids.shape[1]:]  # [B, N]
-        logp = torch.log_softmax(torch.stack(out.logits, 1).float() / self.temperature, -1)  # [B, N, V]
-        tok_logp = logp.gather(-1, new[..., None]).squeeze(-1)  # [B, N]
+        tok_logp = token_logprobs(torch.stack(out.logits, 1), new, self.temperature)  # [B, N]
         turns = []
         for i, prompt in enumerate(prompts):
             row = new[i].tolist()
@@ -174,7 +185,8 @@ class Policy(L.LightningModule):
                                        self.pad_id, self.temperature, self.score_reduction)
             return [lp[t.chosen:t.chosen + 1] for lp, t in zip(logps, turns)]
         actions = [t.action_ids if t.action_ids else [self.tokenizer.eos_token_id] for t in turns]
-        per_token = continuation_logprobs(self.lm, prompts, actions, list(range(len(turns))), self.pad_id)
+        per_token = continuation_logprobs(self.lm, prompts, actions, list(range(len(turns))), self.pad_id,
+                                          self.temperature)
         # an empty generation still ran one forward: keep the shapes, drop its entry
         return [lp if t.action_ids else lp[:0] for lp, t in zip(per_token, turns)]
 
@@ -193,8 +205,8 @@ class Executor(Policy):
 class Planner(Policy):
     """Writes subgoals from the mission, the view and retrieved skills.
 
-    It owns the memory's query adapter: the retrieval is part of the planner's turn, so
-    its log-probability is one more "token" of that turn and it gets the turn's advantage.
+    It owns the memory's query adapter: the retrieval is part of the planner's turn and gets
+    the turn's advantage, with a ratio and a clip of its own (``objectives.update.retrieval_loss``).
 
     Args:
         embed_dim: Dimension of the memory encoder's embeddings (the adapter's width).
@@ -208,11 +220,6 @@ class Planner(Policy):
         super().__init__(adapter, mode, temperature, max_new_tokens, score_reduction)
         self.query_adapter = QueryAdapter(embed_dim)
 
-    def turn_logprobs(self, turns: list[Turn]) -> list[Tensor]:
-        out = super().turn_logprobs(turns)
-        with_retrieval = [i for i, t in enumerate(turns) if t.retrieval is not None]
-        if with_retrieval:
-            r_logp = retrieval_logprob(self.query_adapter, [turns[i].retrieval for i in with_retrieval])
-            for j, i in enumerate(with_retrieval):
-                out[i] = torch.cat([out[i], r_logp[j:j + 1].to(out[i].dtype)])
-        return out
+    def retrieval_logprobs(self, turns: list[Turn]) -> Tensor:
+        """Log-probability of each turn's recorded retrieval under the current query adapter. ``[R]``"""
+        return retrieval_logprob(self.query_adapter, [t.retrieval for t in turns])

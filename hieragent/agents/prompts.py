@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-PLANNER_SYSTEM = "You are the planner of an agent in a grid world. Reply with the next subgoal."
-EXECUTOR_SYSTEM = "You control an agent in a grid world. Reply with the next action."
+# System prompts, templates: ``system_text`` fills in the env family's ``TextEnv.world``.
+PLANNER_SYSTEM = "You are the planner of an agent in {world}. Reply with the next subgoal."
+EXECUTOR_SYSTEM = "You control an agent in {world}. Reply with the next action."
+# BabyAI's world, the default: callers that name no env get the prompt the README's
+# learning figures were measured on.
+DEFAULT_WORLD = "a grid world"
+
+
+def system_text(template: str, world: str | None = None) -> str:
+    """``template`` (``PLANNER_SYSTEM`` or ``EXECUTOR_SYSTEM``) for an env of ``world``."""
+    return template.format(world=DEFAULT_WORLD if world is None else world)
 
 
 def planner_text(mission: str, observation: str, skills: list[str], options: list[str] | None,

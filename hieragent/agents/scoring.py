@@ -41,12 +41,24 @@ def right_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple
     return ids, mask
 
 
+def token_logprobs(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """``log softmax(logits / temperature)[ids]``: the log-probability of each token under the
+    distribution it was (or would be) sampled from. ``logits [..., V]``, ``ids [...]`` -> ``[...]``
+
+    Generation and the trainer's recomputation both call this, so the behaviour and the
+    current log-probs of a turn agree at any temperature.
+    """
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)  # [..., V]
+    return logp.gather(-1, ids[..., None]).squeeze(-1)
+
+
 def continuation_logprobs(
     model: torch.nn.Module,
     prompts: list[list[int]],
     continuations: list[list[int]],
     rows: list[int],
     pad_id: int,
+    temperature: float = 1.0,
 ) -> list[Tensor]:
     """Per-token log-probabilities of each continuation after its prompt.
 
@@ -56,6 +68,7 @@ def continuation_logprobs(
         continuations: ``M`` continuations as token ids, each non-empty.
         rows: ``M`` indices into ``prompts``: the prompt each continuation follows.
         pad_id: Token id used for padding (never attended to).
+        temperature: The sampling temperature of the continuations (``token_logprobs``).
 
     Returns:
         ``M`` tensors; the j-th has ``len(continuations[j])`` float32 entries.
@@ -65,7 +78,7 @@ def continuation_logprobs(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
                 use_cache=True, logits_to_keep=1)
-    first = F.log_softmax(out.logits[:, -1].float(), dim=-1)  # [B, V]
+    first_logits = out.logits[:, -1]  # [B, V]
     cache = out.cache
     row_idx = torch.tensor(rows, dtype=torch.long, device=device)  # [M]
     cache.reorder_cache(row_idx)
@@ -79,11 +92,9 @@ def continuation_logprobs(
     keep = torch.arange(max(width - 1, 1), device=device)
     out2 = model(input_ids=cont_ids, attention_mask=full_mask, position_ids=cont_pos,
                  cache=cache, use_cache=True, logits_to_keep=keep)
-    rest = F.log_softmax(out2.logits[:, : width - 1].float(), dim=-1)  # [M, L-1, V]
-
     # token 0 is predicted by the prompt's last position, token j by continuation j-1
-    tok0 = first[row_idx].gather(-1, cont_ids[:, :1]).squeeze(-1)  # [M]
-    tok_rest = rest.gather(-1, cont_ids[:, 1:, None]).squeeze(-1)  # [M, L-1]
+    tok0 = token_logprobs(first_logits[row_idx], cont_ids[:, 0], temperature)  # [M]
+    tok_rest = token_logprobs(out2.logits[:, : width - 1], cont_ids[:, 1:], temperature)  # [M, L-1]
     per_token = torch.cat([tok0[:, None], tok_rest], dim=1)  # [M, L]
     return [per_token[j, : len(c)] for j, c in enumerate(continuations)]
 

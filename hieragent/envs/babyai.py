@@ -92,6 +92,8 @@ class BabyAITextEnv(TextEnv):
         invalid_penalty: Subtracted from the reward of an invalid action.
     """
 
+    world = "a grid world"  # keep: the README's BabyAI figures were measured with this prompt
+
     def __init__(self, level: str, max_steps: int | None = None, invalid_penalty: float = 0.1) -> None:
         super().__init__(invalid_penalty)
         check_env_name(level)

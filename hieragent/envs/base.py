@@ -10,17 +10,48 @@ from __future__ import annotations
 import difflib
 import importlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
 
 from hieragent.types import Observation, StepResult
 
-# Name prefix -> "module:Class" of the TextEnv family that serves it. A family module
-# also defines ``NAMES``, the names it accepts, unless its names come from gymnasium's
-# registry (BabyAI). Imported lazily: textworld and minigrid are slow to import.
-_FAMILIES = {
-    "BabyAI-": "hieragent.envs.babyai:BabyAITextEnv",
-    "TextWorld-": "hieragent.envs.textworld:TextWorldEnv",
-    "FrozenLake-": "hieragent.envs.frozenlake:FrozenLakeTextEnv",
-    "Sokoban-": "hieragent.envs.sokoban:SokobanTextEnv",
+# Seeds from here on are held out: evaluation plays them, training never does.
+EVAL_SEED_OFFSET = 1_000_000
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where one env family's code lives, by name: imported lazily, since textworld and
+    minigrid are slow to import.
+
+    Attributes:
+        env: ``"module:Class"`` of its ``TextEnv``. The module also defines ``NAMES``, the
+            names it accepts, unless its names come from gymnasium's registry (BabyAI).
+        expert: Module of its expert. It defines ``expert_episode(name, seed) -> (success,
+            length)`` (``hieragent.envs.reference``) and ``segments``.
+        source: ``Demonstration.source`` of the expert's episodes.
+        segments: Function of ``expert`` giving an expert episode as ``(subgoal, actions)``
+            segments (``hieragent.rollout.demos``): ``f(env, seed)`` if ``segments_take_seed``,
+            else ``f(env)`` on an env just reset to the episode.
+        segments_take_seed: Whether ``segments`` resets the env itself.
+    """
+
+    env: str
+    expert: str
+    source: str
+    segments: str = "expert_segments"
+    segments_take_seed: bool = False
+
+
+# Name prefix -> the family that serves it. A new family is one module and one line here.
+FAMILIES = {
+    "BabyAI-": Family("hieragent.envs.babyai:BabyAITextEnv", "hieragent.envs.expert", "babyai-bot",
+                      segments_take_seed=True),
+    "TextWorld-": Family("hieragent.envs.textworld:TextWorldEnv", "hieragent.envs.textworld",
+                         "textworld-walkthrough", segments="walkthrough_segments"),
+    "FrozenLake-": Family("hieragent.envs.frozenlake:FrozenLakeTextEnv", "hieragent.envs.frozenlake",
+                          "planner-search"),
+    "Sokoban-": Family("hieragent.envs.sokoban:SokobanTextEnv", "hieragent.envs.sokoban", "planner-search"),
 }
 # Shown first when a name is unknown: the levels hieragent's configs use.
 _FEATURED = ("BabyAI-GoToLocal-v0", "BabyAI-GoToRedBallNoDists-v0", "BabyAI-GoToObj-v0")
@@ -45,11 +76,19 @@ def invalid_action_feedback(action: str, valid: list[str]) -> str:
 class TextEnv(ABC):
     """A text environment with a planner-facing subgoal channel.
 
+    Attributes:
+        world: What the system prompts call the env, e.g. ``"a grid world"``: "You control an
+            agent in {world}." (``hieragent.agents.prompts``). Every family sets it; a
+            wrapper reads it through.
+
     Args:
         invalid_penalty: Subtracted from the reward of a step whose action is not one of
             ``observation.actions``. That step does not move the env but counts toward
             ``max_steps``, so a policy cannot stall forever on garbage.
     """
+
+    # No default on purpose: a family that forgot it would be prompted as another family.
+    world: str
 
     def __init__(self, invalid_penalty: float = 0.1) -> None:
         self.invalid_penalty = invalid_penalty
@@ -91,9 +130,28 @@ class TextEnv(ABC):
         """Step cap of the current episode; invalid steps count toward it."""
 
 
-def _family(prefix: str) -> type[TextEnv]:
-    module, _, cls = _FAMILIES[prefix].partition(":")
-    return getattr(importlib.import_module(module), cls)
+def load(ref: str) -> Any:
+    """The object ``"module:name"`` names, importing its module."""
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _prefix(name: str) -> str | None:
+    return next((p for p in FAMILIES if name.startswith(p)), None)
+
+
+def family(name: str) -> Family:
+    """The family of env ``name``, by its prefix (the name itself is not checked)."""
+    prefix = _prefix(name)
+    if prefix is None:
+        raise ValueError(f"no env family serves {name!r}; the families are "
+                         f"{', '.join(p + '*' for p in FAMILIES)} (see hieragent.envs.base.FAMILIES)")
+    return FAMILIES[prefix]
+
+
+def env_class(name: str) -> type[TextEnv]:
+    """The ``TextEnv`` class of env ``name``'s family, e.g. to read its ``world``."""
+    return load(family(name).env)
 
 
 def _names(prefix: str) -> list[str]:
@@ -103,12 +161,12 @@ def _names(prefix: str) -> list[str]:
         import minigrid  # noqa: F401  (registers the BabyAI ids with gymnasium)
 
         return [k for k in gymnasium.envs.registry if k.startswith(prefix)]
-    return list(importlib.import_module(_FAMILIES[prefix].partition(":")[0]).NAMES)
+    return list(importlib.import_module(FAMILIES[prefix].env.partition(":")[0]).NAMES)
 
 
 def known_envs() -> list[str]:
     """Every env name ``make_env`` accepts: BabyAI in gymnasium's order, then the others."""
-    return [name for prefix in _FAMILIES for name in _names(prefix)]
+    return [name for prefix in FAMILIES for name in _names(prefix)]
 
 
 def check_env_name(name: str) -> None:
@@ -116,7 +174,7 @@ def check_env_name(name: str) -> None:
 
     Cheap (a registry lookup, no env is built), so configs can call it at parse time.
     """
-    prefix = next((p for p in _FAMILIES if name.startswith(p)), None)
+    prefix = _prefix(name)
     if prefix is not None and name in _names(prefix):
         return
     known = known_envs()
@@ -134,5 +192,4 @@ def make_env(name: str, **kwargs: object) -> TextEnv:
     ``kwargs`` go to the env class, e.g. ``max_steps`` and ``invalid_penalty``.
     """
     check_env_name(name)
-    prefix = next(p for p in _FAMILIES if name.startswith(p))
-    return _family(prefix)(name, **kwargs)  # type: ignore[call-arg]
+    return env_class(name)(name, **kwargs)  # type: ignore[call-arg]

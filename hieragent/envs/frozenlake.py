@@ -56,6 +56,8 @@ class FrozenLakeTextEnv(TextEnv):
         p: Probability that a generated cell is frozen rather than a hole (RAGEN uses 0.8).
     """
 
+    world = "a frozen lake grid"
+
     def __init__(
         self,
         name: str,

@@ -122,6 +122,12 @@ class EnvPool:
             return self._group.penalties[i]
         return float(self.envs[i].invalid_penalty)
 
+    def world(self, i: int) -> str:
+        """Env ``i``'s ``TextEnv.world``, for the system prompts."""
+        if self._group is not None:
+            return self._group.worlds[i]
+        return self.envs[i].world
+
     @property
     def restarts(self) -> int:
         """How many times a worker process was restarted (0 in-process)."""

@@ -2,7 +2,7 @@
 
     python -m hieragent.envs.reference --seeds 20          (make expert-table)
 
-Each family's expert plays held-out seeds (from 1,000,000 on, as evaluation does):
+Each family's expert plays held-out seeds (``EVAL_SEED_OFFSET`` on, as evaluation does):
 minigrid's BabyAI bot, TextWorld's walkthrough, and shortest-path search for FrozenLake
 and Sokoban. Prints success rate and mean length per level.
 """
@@ -10,32 +10,24 @@ and Sokoban. Prints success rate and mean length per level.
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-# held-out seeds start here (hieragent.lightning.datamodule.EVAL_SEED_OFFSET; restated so
-# that this script does not import Lightning)
-EVAL_SEED_OFFSET = 1_000_000
+from hieragent.envs.base import EVAL_SEED_OFFSET, family, load
 
 LEVELS = [
     "BabyAI-GoToLocal-v0", "BabyAI-PickupLoc-v0", "BabyAI-OpenDoor-v0", "BabyAI-UnlockLocal-v0",
     "BabyAI-PutNextLocal-v0", "BabyAI-GoTo-v0", "TextWorld-Easy-v0", "TextWorld-Medium-v0",
     "FrozenLake-4x4-v0", "FrozenLake-8x8-v0", "Sokoban-6x6-1box-v0", "Sokoban-7x7-2box-v0",
 ]
-_MODULES = {"BabyAI-": "hieragent.envs.expert", "TextWorld-": "hieragent.envs.textworld",
-            "FrozenLake-": "hieragent.envs.frozenlake", "Sokoban-": "hieragent.envs.sokoban"}
 
 
 def expert_episode(level: str, seed: int) -> tuple[bool, int]:
     """``(success, length)`` of the level's expert on ``seed``."""
-    for prefix, module in _MODULES.items():
-        if level.startswith(prefix):
-            return importlib.import_module(module).expert_episode(level, seed)
-    raise ValueError(f"no expert for {level!r}; experts exist for {', '.join(_MODULES)}*")
+    return load(f"{family(level).expert}:expert_episode")(level, seed)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -190,6 +190,8 @@ class SokobanTextEnv(TextEnv):
         solve_bonus: Added when the last box reaches a target (gym-sokoban: 10).
     """
 
+    world = "a Sokoban puzzle"
+
     def __init__(
         self,
         name: str,

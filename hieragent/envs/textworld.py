@@ -65,6 +65,8 @@ class TextWorldEnv(TextEnv):
             missing from it is generated on ``reset``, about a second.
     """
 
+    world = "a text adventure"
+
     def __init__(
         self,
         name: str,

@@ -14,17 +14,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import shutil
-import tempfile
 import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Same value as hieragent.lightning.datamodule.EVAL_SEED_OFFSET, restated because envs come
-# before lightning in the data flow: held-out games are seeds from here on.
-EVAL_SEED_OFFSET = 1_000_000
+from hieragent.envs.base import EVAL_SEED_OFFSET
+from hieragent.io import scratch_dir
 
 
 @dataclass(frozen=True)
@@ -85,9 +82,7 @@ def generate(level: str, seed: int, games_dir: str | os.PathLike | None = None) 
     path = game_path(level, seed, games_dir)
     if is_complete(path):
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".gen-{seed}-"))
-    try:
+    with scratch_dir(path, prefix=f".gen-{seed}-") as tmp:
         for attempt in range(MAX_ATTEMPTS):
             built = _build(settings, seed, attempt, tmp / path.name)
             if built is not None:
@@ -96,8 +91,6 @@ def generate(level: str, seed: int, games_dir: str | os.PathLike | None = None) 
             raise RuntimeError(f"{level} seed {seed}: no playable game in {MAX_ATTEMPTS} attempts")
         os.replace(built.with_suffix(".json"), path.with_suffix(".json"))
         os.replace(built, path)  # last: the .z8 marks the game complete
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -93,10 +93,11 @@ def _serve(conn: Connection, spec: EnvSpec, indices: list[int]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; it closes us
     try:
         envs = {i: spec.build() for i in indices}
+        facts = {i: (float(env.invalid_penalty), env.world) for i, env in envs.items()}
     except Exception as exc:
         conn.send(("error", failure_reason("building the env", exc)))
         return
-    conn.send(("ready", {i: float(env.invalid_penalty) for i, env in envs.items()}))
+    conn.send(("ready", facts))
     while True:
         try:
             message = conn.recv()
@@ -113,6 +114,7 @@ class _Worker:
     def __init__(self, context: Any, spec: EnvSpec, indices: list[int]) -> None:
         self.context, self.spec, self.indices = context, spec, indices
         self.penalties: dict[int, float] = {}
+        self.worlds: dict[int, str] = {}
         self.start()
 
     def start(self) -> None:
@@ -132,7 +134,9 @@ class _Worker:
             return self.death()
         if kind == "error":
             return f"worker {self.process.pid} could not build its envs: {payload}"
-        self.penalties, self.ready = payload, True
+        self.penalties = {i: penalty for i, (penalty, _) in payload.items()}
+        self.worlds = {i: world for i, (_, world) in payload.items()}
+        self.ready = True
         return ""
 
     def death(self) -> str:
@@ -197,6 +201,7 @@ class WorkerGroup:
             self.close()
             raise RuntimeError(f"env workers failed to start: {next(iter(errors.values()))}")
         self.penalties = {i: p for w in self._workers for i, p in w.penalties.items()}
+        self.worlds = {i: world for w in self._workers for i, world in w.worlds.items()}
 
     def pid(self, i: int) -> int:
         """Process id of the worker that runs env ``i`` now."""

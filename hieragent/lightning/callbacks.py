@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,7 @@ from rich.table import Table
 
 import torch
 
+from hieragent.io import atomic_open, atomic_write_text
 
 def summarise(batches) -> dict[str, float]:
     """Success rate, mean return and mean episode length over evaluation batches."""
@@ -74,10 +73,9 @@ class BeforeAfterEval(L.Callback):
                               f"{row['length']:.1f}", f"{row['invalid']:.3f}")
         Console().print(table)
         if trainer.log_dir:
-            out = Path(trainer.log_dir) / "eval_summary.json"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps({"before": self.before, "after": self.after,
-                                       "updates": trainer.global_step}, indent=2))
+            atomic_write_text(Path(trainer.log_dir) / "eval_summary.json",
+                              json.dumps({"before": self.before, "after": self.after,
+                                          "updates": trainer.global_step}, indent=2))
 
     def state_dict(self) -> dict[str, Any]:
         return {"before": self.before}
@@ -119,9 +117,7 @@ class LevelTable(L.Callback):
                           f"{row['invalid']:.3f}")
         Console(width=max(Console().width, 110)).print(table)
         if trainer.log_dir:
-            out = Path(trainer.log_dir) / f"{stage}_summary.json"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(rows, indent=2))
+            atomic_write_text(Path(trainer.log_dir) / f"{stage}_summary.json", json.dumps(rows, indent=2))
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -134,18 +130,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         fs = get_filesystem(path)
         if type(fs).__name__ != "LocalFileSystem":
             return super().save_checkpoint(checkpoint, path, storage_options)
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_open(path, binary=True) as f:
+            torch.save(checkpoint, f)
 
 
 class UpdateProgressBar(RichProgressBar):
@@ -159,3 +145,10 @@ class UpdateProgressBar(RichProgressBar):
         if self.trainer.max_epochs is not None and self.trainer.max_epochs > 0:
             return super()._get_train_description(current_epoch)
         return "updates"
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        # one rollout batch may take several optimizer steps (replay.updates_per_batch):
+        # count those, the unit of the bar's total (max_steps)
+        if trainer.max_epochs is None or trainer.max_epochs <= 0:
+            self._update(self.train_progress_bar_id, trainer.global_step)

@@ -16,11 +16,9 @@ import torch
 from rich.progress import Progress
 from torch.utils.data import DataLoader, IterableDataset
 
-from hieragent.envs.base import check_env_name
+from hieragent.envs.base import EVAL_SEED_OFFSET, check_env_name
 from hieragent.envs.pool import EnvPool
 from hieragent.types import Batch
-
-EVAL_SEED_OFFSET = 1_000_000
 
 
 class _Rollouts(IterableDataset):
@@ -174,10 +172,10 @@ class RolloutDataModule(L.LightningDataModule):
 
     def demo_batch(self) -> list:
         """The next warm-start batch: ``demo_batch`` demonstrations, reshuffled each pass."""
-        from hieragent.rollout.demos import read_jsonl
+        from hieragent.rollout.demos import read_demonstrations
 
         if self._demos is None:
-            self._demos = read_jsonl(self.hparams.demos)
+            self._demos = read_demonstrations(self.hparams.demos)
             self._demo_queue: list[int] = []
         out = []
         while len(out) < self.hparams.demo_batch:

@@ -8,9 +8,11 @@ different adapters, each forward needing its own backward):
       -> into the replay buffer; batches older than ``max_staleness`` are dropped
       -> for each of ``updates_per_batch`` optimizer steps, per role, per micro-batch:
          recompute log-probs of the recorded token ids, clipped loss + KL, backward
-      -> per role, the clipping-triggered normalization scales that role's gradient
-      -> one optimizer step over the param groups (planner, executor, query adapter);
-         a non-finite loss or gradient skips the step and leaves weights and state alone
+         (the planner's retrieval: its own clipped term, on the query adapter)
+      -> one optimizer step over the param groups (planner, executor, query adapter, value
+         head), each clipped by its own norm; the clipping-triggered normalization scales
+         a group's learning rate for the step (``lightning/optim.py``); a non-finite loss or
+         gradient skips the step, leaves weights and state alone and drops its batch
       -> bank update (``memory/evolution.py``): utilities of the entries used, skills from
          successful episodes, lessons from failed ones, merge and evict; every change is
          appended to ``<log_dir>/bank_changes.jsonl``
@@ -23,7 +25,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import numpy as np
@@ -36,24 +38,22 @@ from hieragent.memory.evolution import BankEvolution, append_changes
 from hieragent.memory.retrieval import contrastive_loss
 from hieragent.memory.settings import MemorySettings
 from hieragent.models.loading import load_causal_lm, load_tokenizer
-from hieragent.models.lora import LoraSettings, add_adapters, adapter_parameters
+from hieragent.models.lora import LoraSettings, add_adapters, add_reference_adapters, adapter_parameters
 from hieragent.lightning.offpolicy import AdapterSnapshots, record_trainer_logprobs, subtract_kl_reward
 from hieragent.objectives.advantages import AdvantageSettings, assign_advantages
 from hieragent.objectives.losses import clip_normalization_scale
-from hieragent.objectives.update import ObjectiveSettings, role_loss, role_turns, sample_minibatch
+from hieragent.objectives.update import (ObjectiveSettings, retrieval_loss, role_loss, role_turns,
+                                         sample_minibatch)
 from hieragent.objectives.value import TurnValueHead, turn_features, value_loss, value_targets
 from hieragent.memory.encoder import embedding_dim, load_encoder
 from hieragent.rollout.loop import RolloutSettings, collect
 from hieragent.rollout.replay import ReplayBuffer, ReplaySettings, staleness
+from hieragent.lightning.optim import guarded_step
 from hieragent.lightning.state import TRAINABLE_MARKERS, CheckpointHooks
 from hieragent.lightning.warmstart import imitation_step
-from hieragent.types import Batch, Demonstration, Trajectory
+from hieragent.types import Batch, Demonstration, Trajectory, Turn
 
 log = logging.getLogger(__name__)
-# which roles' gradients each optimizer param group carries
-GROUP_ROLE = {"executor": "executor", "planner": "planner", "query_adapter": "planner", "value": "value"}
-
-
 
 def episode_metrics() -> MetricCollection:
     return MetricCollection({"success": MeanMetric(), "return": MeanMetric(), "length": MeanMetric(),
@@ -85,6 +85,11 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         init_from: A checkpoint (of a warm-start run, say) whose adapters, query adapter
             and bank this run starts from; its step, optimizer and RNG are not taken.
             ``--ckpt_path`` is for resuming the same run instead.
+        kl_reference: The KL's reference policy. ``init``: the policy this run starts from,
+            so after ``init_from`` a frozen copy of the warm-start adapters (as in GLIDER and
+            RLHF pipelines: RL must not pull back to the model before SFT), and the base
+            model otherwise (fresh LoRA adapters start as the base model). ``base``: always
+            the base model with adapters disabled.
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         lr_value: float = 1e-3,
         weight_decay: float = 0.0,
         init_from: str | None = None,
+        kl_reference: Literal["init", "base"] = "init",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -147,8 +153,14 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
             self.value_head = TurnValueHead(embedding_dim(load_encoder(memory.embedder)))
         self._value_batch = None
 
+        if kl_reference not in ("init", "base"):
+            raise ValueError(f"model.kl_reference must be 'init' or 'base', got {kl_reference!r}")
         if init_from:
             self.load_weights(init_from)
+            if kl_reference == "init":
+                refs = dict(zip(roles, add_reference_adapters(self.lm, roles, lora)))
+                for role, policy in self.policies():
+                    policy.reference_adapter = refs[role]
 
         self.train_metrics = episode_metrics().clone(prefix="train/")
         self.val_metrics = episode_metrics().clone(prefix="val/")
@@ -235,8 +247,7 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
                        "replay/dropped_turns": float(self.replay.dropped_turns)},
                       on_step=True, on_epoch=False, batch_size=self._episodes)
         for _ in range(self.replay_settings.updates_per_batch):
-            if self._update(batches) and self.replay.discard_nonfinite():
-                # corrupt data is dropped, not retried: it would fail every later update too
+            if self._update(batches):  # the batches that caused a skip are gone from the buffer
                 batches = self.replay.retained(self.global_step)
         self._log_episodes(batch.trajectories, self.train_metrics)
         counters = getattr(self.trainer.datamodule, "env_counters", None)
@@ -260,33 +271,48 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         return values
 
     def _update(self, batches: list[Batch]) -> str | None:
-        """One optimizer step on ``batches``; returns why it was skipped, if it was."""
+        """One optimizer step on ``batches``; returns why it was skipped, if it was.
+
+        A skipped step also drops the batches that caused it from the replay buffer: the
+        one holding the micro-batch whose loss was not finite, or, for a non-finite gradient
+        (which names no batch), every batch of this update. Kept, they would make every
+        later update that reuses them skip too.
+        """
         opt = self.optimizers()
         opt.zero_grad()
         stats: dict[str, float] = {}
-        scales: dict[str, float] = {}
+        scales: dict[str, float] = {}  # learning-rate factor per param group, this step only
         skip: str | None = None  # why this step must not touch the weights
+        culprits: list[Turn] = []
         settings, version = self.objective, self.global_step
         for role, policy in self.policies():
             items = sample_minibatch(role_turns(batches, role), settings.minibatch_turns,
-                                     whole_sequences=settings.level == "sequence")
+                                     whole_sequences=settings.whole_sequences)
             if not items.turns:
                 continue
-            role_stats = role_loss(policy, items, settings, self.manual_backward)
-            if not role_stats.finite:
-                skip = f"non-finite {role} loss (log-probs, ratios or advantages)"
+            parts = [(role, role, role_loss(policy, items, settings, self.manual_backward))]
+            if role == "planner" and parts[0][2].finite:
+                parts.append(("retrieval", "query_adapter",
+                              retrieval_loss(policy, items, settings, self.manual_backward)))
+            for name, group, role_stats in parts:
+                if not role_stats.finite:
+                    skip, culprits = f"non-finite {name} loss (log-probs, ratios or advantages)", role_stats.bad_turns
+                    break
+                if not role_stats.turns:
+                    continue
+                stats.update(role_stats.logged(name))
+                if settings.clip_normalization:
+                    scales[group] = clip_normalization_scale(role_stats.bias_sum, role_stats.adv_sum,
+                                                             settings.clip_norm_strength)
+                    stats[f"{name}/clip_norm_scale"] = scales[group]
+                    stats[f"{name}/clip_norm_triggered"] = float(scales[group] < 1.0)
+            if skip is not None:
                 break
-            stats.update(role_stats.logged(role))
             lags = staleness(items.turns, self.global_step)
             stats[f"{role}/staleness_mean"] = sum(lags) / len(lags)
             stats[f"{role}/staleness_max"] = float(max(lags))
             if settings.tis_cap is not None:
-                stats[f"{role}/logprob_gap"] = role_stats.gap_sum / max(role_stats.tokens, 1)
-            if settings.clip_normalization:
-                scales[role] = clip_normalization_scale(role_stats.bias_sum, role_stats.adv_sum,
-                                                        settings.clip_norm_strength)
-                stats[f"{role}/clip_norm_scale"] = scales[role]
-                stats[f"{role}/clip_norm_triggered"] = float(scales[role] < 1.0)
+                stats[f"{role}/logprob_gap"] = parts[0][2].gap_sum / max(parts[0][2].tokens, 1)
         if skip is None and self._contrastive is not None:
             retrievals, positives = self._contrastive
             c_loss = contrastive_loss(self.planner.query_adapter, retrievals, positives,
@@ -298,33 +324,24 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
             v_loss = value_loss(self.value_head(features, roles), targets)
             self.manual_backward(v_loss)
             stats["value/loss"] = float(v_loss.detach())
-        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        grad_norm = torch.tensor(math.nan)
-        if skip is None and not params:
-            skip = "no turns to train on"
-        if skip is None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                params, settings.max_grad_norm if settings.max_grad_norm > 0 else math.inf)
-            if not torch.isfinite(grad_norm):
-                skip = "non-finite gradient norm"
-        if skip is None:
-            for group in opt.param_groups:  # after the norm clip, so the shrink is not undone
-                scale = scales.get(GROUP_ROLE[group["name"]], 1.0)
-                for p in group["params"]:
-                    if p.grad is not None and scale != 1.0:
-                        p.grad.mul_(scale)
-            opt.step()
-        else:
-            # a NaN or inf never reaches the weights or the optimizer state
-            log.warning("step %d: %s; the step is skipped", self.global_step, skip)
-            opt.zero_grad()
-        stats["train/skipped_step"] = float(skip is not None)
-        stats["train/grad_norm"] = float(grad_norm)
+        step = guarded_step(opt, settings.max_grad_norm, scales, skip)
+        if step.skipped is not None:
+            log.warning("step %d: %s; the step is skipped", self.global_step, step.skipped)
+            bad = {id(t) for t in culprits}
+            dropped = [b for b in batches if any(id(t) in bad for t in b.turns())] if bad else batches
+            stats["replay/dropped_batches"] = float(self.replay.discard(dropped))
+        for group, norm in step.grad_norms.items():
+            stats[f"{group}/grad_norm"] = norm
+        for group, norm in step.update_norms.items():
+            stats[f"{group}/update_norm"] = norm
+            stats[f"{group}/lr_scale"] = step.lr_scales[group]
+        stats["train/skipped_step"] = float(step.skipped is not None)
+        stats["train/grad_norm"] = step.grad_norm
         # straight to the loggers, one row per update: ``self.log`` keeps only the last of
         # several updates in one training step
         for logger in self.loggers:
             logger.log_metrics(stats, step=version)
-        return skip
+        return step.skipped
 
     def _prepare_contrastive(self, batch: Batch) -> None:
         self._contrastive = self._skill_keys = None

@@ -15,11 +15,11 @@ RL then starts from the resulting checkpoint with ``model.init_from``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from hieragent.agents.prompts import executor_text, planner_text
+from hieragent.envs.base import env_class
+from hieragent.lightning.optim import guarded_step
 from hieragent.memory.retrieval import sample_retrievals
 from hieragent.types import Demonstration, Role, Turn
 
@@ -33,13 +33,14 @@ def imitation_turns(module, demos: list[Demonstration]) -> dict[Role, list[Turn]
         skills = _skills(module, [f"{d.mission}. {p.observation}" for d, p in steps])
         for (d, p), shown_skills in zip(steps, skills):
             options = p.candidates if planner.mode == "generate" else None
-            prompt = planner.prompt_ids(planner_text(d.mission, p.observation, shown_skills, options))
+            prompt = planner.prompt_ids(planner_text(d.mission, p.observation, shown_skills, options),
+                                        env_class(d.env).world)
             out["planner"].append(_turn(planner, prompt, p.candidates, p.subgoal))
     for d in demos:
         for e in d.executor:
             subgoal = e.subgoal if planner is not None else d.mission
             options = e.candidates if executor.mode == "generate" else None
-            prompt = executor.prompt_ids(executor_text(subgoal, e.observation, options))
+            prompt = executor.prompt_ids(executor_text(subgoal, e.observation, options), env_class(d.env).world)
             out["executor"].append(_turn(executor, prompt, e.candidates, e.action))
     return out
 
@@ -70,7 +71,7 @@ def _turn(policy, prompt: list[int], candidates: list[str], target: str) -> Turn
 def imitation_step(module, demos: list[Demonstration]) -> dict[str, float]:
     """One optimizer step of behaviour cloning on ``demos``; returns what to log.
 
-    A non-finite loss or gradient norm skips the step, as in RL (see ``HierAgentModule``).
+    A non-finite loss or gradient norm skips the step, as in RL (``lightning/optim.py``).
     """
     opt = module.optimizers()
     opt.zero_grad()
@@ -95,16 +96,8 @@ def imitation_step(module, demos: list[Demonstration]) -> dict[str, float]:
             total += float(nll.detach().sum())
         stats[f"sft/{role}_nll"] = total / len(items)
         stats[f"sft/{role}_turns"] = float(len(items))
-    params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-    grad_norm = math.nan
-    if finite and params:
-        max_norm = module.objective.max_grad_norm
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf))
-        finite = math.isfinite(grad_norm)
-    if finite and params:
-        opt.step()
-    else:
-        opt.zero_grad()
-    stats["train/skipped_step"] = float(not (finite and params))
-    stats["train/grad_norm"] = grad_norm
+    step = guarded_step(opt, module.objective.max_grad_norm,
+                        skip=None if finite else "non-finite imitation loss")
+    stats["train/skipped_step"] = float(step.skipped is not None)
+    stats["train/grad_norm"] = step.grad_norm
     return stats

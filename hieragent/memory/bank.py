@@ -22,9 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from hieragent.io import iter_jsonl
 from hieragent.memory.encoder import MINILM, embed, embedding_dim, load_encoder
 from hieragent.memory.index import IndexSpec, KeyIndex
-from hieragent.memory.store import COLUMNS, load_bank, read_jsonl, save_bank
+from hieragent.memory.store import COLUMNS, load_bank, save_bank
 
 FORMAT_VERSION = 2  # 2 added the index spec and the built index; 1 loads (its index is rebuilt)
 READABLE_VERSIONS = (1, 2)
@@ -299,7 +300,7 @@ class MemoryBank:
         if not path.is_file():
             raise FileNotFoundError(f"seed file {path} does not exist")
         rows: list[tuple[str, str, str]] = []
-        for lineno, obj in read_jsonl(path):
+        for lineno, obj in iter_jsonl(path):
             text, kind = obj.get("text"), obj.get("kind", "skill")
             if not isinstance(text, str) or not text.strip():
                 raise ValueError(f"{path}:{lineno}: needs a non-empty string 'text'")

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from hieragent.io import iter_jsonl, scratch_dir, write_synced
 
 if TYPE_CHECKING:
     from hieragent.memory.bank import MemoryBank
@@ -28,61 +27,34 @@ COLUMNS = {"kinds": "kind", "texts": "text", "sources": "source", "created_steps
 META_KEYS = ("format_version", "embedder", "dim", "capacity", "merge_threshold", "next_id", "events", "index")
 
 
-def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Yield ``(line number, object)``; a bad line raises ValueError naming file and line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            yield lineno, obj
-
-
-def write_synced(path: Path, write: Callable[[Any], Any], binary: bool = False) -> None:
-    """Write and fsync, so a crash just after the rename cannot publish an empty or torn file."""
-    with open(path, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def save_bank(bank: MemoryBank, path: str | Path) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = bank.state_dict()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    old: Path | None = None
-    try:
-        write_synced(tmp / "keys.npy", lambda f: np.save(f, state["keys"].numpy(), allow_pickle=False), True)
-        names = ("id", *COLUMNS.values())
-        cols = [state["ids"].tolist(), *(state[c] for c in COLUMNS)]
-        lines = "".join(json.dumps(dict(zip(names, row))) + "\n" for row in zip(*cols))
-        write_synced(tmp / "entries.jsonl", lambda f: f.write(lines))
-        index_state = state["index_state"]
-        if index_state["faiss"] is not None:
-            blob = index_state["faiss"].numpy()
-            write_synced(tmp / "index.npy", lambda f: np.save(f, blob, allow_pickle=False), True)
-        meta = {k: state[k] for k in META_KEYS}
-        meta["index_state"] = {k: index_state[k] for k in ("active", "trained_at")}
-        write_synced(tmp / "meta.json", lambda f: json.dump(meta, f, indent=1))
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.replace(path, old / path.name)
-        os.replace(tmp, path)
-    except BaseException:
-        if old is not None and not path.exists():
-            os.replace(old / path.name, path)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    with scratch_dir(path) as tmp, scratch_dir(path, prefix=f".{path.name}.old-") as old:
+        _write_files(bank.state_dict(), tmp)
+        had_bank = path.exists()
+        try:
+            if had_bank:
+                os.replace(path, old / path.name)
+            os.replace(tmp, path)
+        except BaseException:
+            if had_bank and not path.exists():
+                os.replace(old / path.name, path)
+            raise
+
+
+def _write_files(state: dict[str, Any], folder: Path) -> None:
+    write_synced(folder / "keys.npy", lambda f: np.save(f, state["keys"].numpy(), allow_pickle=False), True)
+    names = ("id", *COLUMNS.values())
+    cols = [state["ids"].tolist(), *(state[c] for c in COLUMNS)]
+    lines = "".join(json.dumps(dict(zip(names, row))) + "\n" for row in zip(*cols))
+    write_synced(folder / "entries.jsonl", lambda f: f.write(lines))
+    index_state = state["index_state"]
+    if index_state["faiss"] is not None:
+        blob = index_state["faiss"].numpy()
+        write_synced(folder / "index.npy", lambda f: np.save(f, blob, allow_pickle=False), True)
+    meta = {k: state[k] for k in META_KEYS}
+    meta["index_state"] = {k: index_state[k] for k in ("active", "trained_at")}
+    write_synced(folder / "meta.json", lambda f: json.dump(meta, f, indent=1))
 
 
 def load_bank(path: str | Path, cls: type[MemoryBank]) -> MemoryBank:
@@ -94,7 +66,7 @@ def load_bank(path: str | Path, cls: type[MemoryBank]) -> MemoryBank:
         keys = np.load(path / "keys.npy", allow_pickle=False)
     except (OSError, ValueError) as e:
         raise ValueError(f"memory bank at {path} cannot be read: {e}") from e
-    rows = [obj for _, obj in read_jsonl(path / "entries.jsonl")]
+    rows = [obj for _, obj in iter_jsonl(path / "entries.jsonl")]
     index_state = dict(meta.get("index_state") or {})
     if (path / "index.npy").is_file():
         index_state["faiss"] = torch.from_numpy(np.load(path / "index.npy", allow_pickle=False))

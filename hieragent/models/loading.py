@@ -11,13 +11,13 @@ Presets:
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from hieragent.io import scratch_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PRESETS = ("smollm2", "tiny")
@@ -67,9 +67,7 @@ def smollm2_dir() -> Path:
         return target
     gguf = _smollm2_gguf()
     set_offline()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
+    with scratch_dir(target, prefix=".convert-") as tmp:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -81,9 +79,6 @@ def smollm2_dir() -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target
 
 

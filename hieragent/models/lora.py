@@ -1,7 +1,8 @@
 """One base model, named LoRA adapters (PEFT multi-adapter).
 
 The planner and the executor are adapters on one causal LM. The reference policy for the
-KL term is the same model with adapters disabled, so no second copy sits in memory.
+KL term is the same model with adapters disabled, so no second copy sits in memory; after a
+warm start it is a frozen copy of each warm-start adapter, ``<name>_ref`` (a few MB).
 """
 
 from __future__ import annotations
@@ -31,17 +32,24 @@ class LoraSettings:
     )
 
 
-def add_adapters(model: PreTrainedModel, names: list[str], settings: LoraSettings) -> PeftModel:
-    """Wrap ``model`` with one LoRA adapter per name; the base weights are frozen."""
-    if not names:
-        raise ValueError("add_adapters needs at least one adapter name")
-    config = LoraConfig(
+REFERENCE_SUFFIX = "_ref"
+
+
+def _config(settings: LoraSettings) -> LoraConfig:
+    return LoraConfig(
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=list(settings.target_modules),
         task_type="CAUSAL_LM",
     )
+
+
+def add_adapters(model: PreTrainedModel, names: list[str], settings: LoraSettings) -> PeftModel:
+    """Wrap ``model`` with one LoRA adapter per name; the base weights are frozen."""
+    if not names:
+        raise ValueError("add_adapters needs at least one adapter name")
+    config = _config(settings)
     peft_model = get_peft_model(model, config, adapter_name=names[0])
     for name in names[1:]:
         peft_model.add_adapter(name, config)
@@ -54,3 +62,24 @@ def add_adapters(model: PreTrainedModel, names: list[str], settings: LoraSetting
 def adapter_parameters(model: PeftModel, name: str) -> list:
     """The trainable parameters of one adapter, for its own optimizer param group."""
     return [p for n, p in model.named_parameters() if "lora_" in n and f".{name}." in n]
+
+
+def add_reference_adapters(model: PeftModel, names: list[str], settings: LoraSettings) -> list[str]:
+    """A frozen copy of each named adapter as it is now, named ``<name>_ref``; returns the names.
+
+    The copies are the KL reference after a warm start: the policy RL starts from, not the
+    base model before supervised training. They never train (``requires_grad`` off, and
+    ``adapter_parameters`` of a policy never matches them).
+    """
+    current = dict(model.named_parameters())
+    refs = []
+    for name in names:
+        ref = f"{name}{REFERENCE_SUFFIX}"
+        model.add_adapter(ref, _config(settings))
+        refs.append(ref)
+    for pname, param in model.named_parameters():
+        for name, ref in zip(names, refs):
+            if f".{ref}." in pname:
+                param.data.copy_(current[pname.replace(f".{ref}.", f".{name}.")].detach())
+        param.requires_grad_("lora_" in pname and any(f".{n}." in pname for n in names))
+    return refs

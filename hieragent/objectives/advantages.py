@@ -20,6 +20,11 @@ turns of a group regardless of role.
 
   grpo   GRPO (Shao et al. 2024, arXiv 2402.03300, Sec. 4.1.2), per turn:
              A_i = (c_i - mean_P c) / (std_P c + eps)          (mean-only: scale_by_std=False)
+         Intended as the paper defines it: a pool holds every turn of its (group, role), so
+         the mean and std include turn i itself and the other turns of i's own episode,
+         whose credits follow from i's action. The baseline is then correlated with the
+         action (a bias that shrinks as 1/|P|); ``rloo`` is the estimator that leaves i's
+         whole episode out of its baseline and has none.
   rloo   REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, arXiv 2402.14740):
              A_i = c_i - mean { c_j : j in P, episode(j) != episode(i) }
          We leave out i's whole *episode*, not only turn i: the later turns of i's episode

@@ -13,7 +13,10 @@ under the behaviour policy, the log-ratio a token is weighted by is, per ``level
     sequence (GSPO, 2507.18071):  rho_s = (1/sum_{i in s}|y_i|) sum_{i in s} sum_t rho_t     (3)
 
 where a sequence ``s`` is one trajectory's turns of one role (``sequence_ids``); with one
-turn per sequence (3) is (2), bitwise. The ratio is r_t = exp(rho); padding gets r = 1.
+turn per sequence (3) is (2), bitwise. The ratio is r_t = exp(clamp(rho, -20, 20)); padding
+gets r = 1. The clamp (as in verl) keeps exp finite: an overflowed ratio times a zero
+upstream gradient is nan in the backward pass, and that would stall training. Beyond the
+clamp the gradient through rho is cut; such a token is far outside any clip range anyway.
 
 Clipped objective, with clip-higher (DAPO, 2503.14476) and dual clip (Ye et al.,
 1912.09729, c > 1, only for A_t < 0):
@@ -57,6 +60,21 @@ without tokens:
 KL to the reference (Schulman, "Approximating KL divergence", 2020), d = log pi_ref -
 log pi_theta:  k1 = -d,  k2 = d^2 / 2,  k3 = exp(d) - d - 1 >= 0.                    (13)
 
+As *values* on samples y ~ pi_theta, k1 and k3 are unbiased estimates of KL(pi_theta||ref).
+As *loss terms* differentiated through log pi_theta (samples held fixed, the usual "KL in
+the loss" of GRPO), their expected gradients differ; with grad d = -grad log pi_theta and
+E[grad log pi_theta] = 0:
+
+    k1:  E[grad k1] = E[grad log pi_theta] = 0: noise only, no pull to the reference;
+    k2:  E[grad k2] = E[(log pi_theta - log pi_ref) grad log pi_theta] = grad KL(pi_theta||ref);
+    k3:  E[grad k3] = E[(1 - pi_ref/pi_theta) grad log pi_theta] = grad KL(ref||pi_theta).
+
+So ``kl_mode: loss`` with k2 is the reverse-KL gradient, k3 the forward-KL one (mass-covering,
+what GRPO and verl's ``low_var_kl`` use), and k1 is refused there. As a reward penalty
+(``kl_mode: reward``) every estimator is a number, and k1 is the standard choice. With stale
+samples y ~ pi_old each token's KL term is weighted by the detached ratio r_t, so it
+estimates the expectation under pi_theta (TRL's ``use_bias_correction_kl``); on-policy r = 1.
+
 Effective sample size of the ratios over n real tokens: (sum r)^2 / (n sum r^2).      (14)
 
 In ``score`` mode a turn has one "token": the chosen candidate's log-probability under
@@ -96,6 +114,9 @@ def _group_ids(sequence_ids: Tensor | None, n_rows: int, device) -> Tensor:
     if sequence_ids is None:
         return torch.arange(n_rows, device=device)
     return torch.unique(sequence_ids, return_inverse=True)[1]
+
+
+MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8; beyond it the ratio is clamped (as in verl)
 
 
 def turn_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -149,12 +170,14 @@ class LossTerms:
         per_token: ``[B, T]`` equations (4)-(6), zero on padding.
         ratio: ``[B, T]`` the ratio each token was weighted by, 1 on padding.
         clipped: ``[B, T]`` bool, where a bound of (4) or (5) was the active branch.
+        dual_clipped: ``[B, T]`` bool, where the bound of (5) was the active branch.
         bias: ``[B, T]`` equation (8), zero on unclipped tokens and padding.
     """
 
     per_token: Tensor
     ratio: Tensor
     clipped: Tensor
+    dual_clipped: Tensor
     bias: Tensor
 
 
@@ -189,24 +212,26 @@ def clipped_policy_loss(
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (Ye et al. 2020), got {dual_clip}; use None to turn it off")
     real = mask > 0  # [B, T]
-    ratio = torch.exp(log_ratio(logprobs, old_logprobs, mask, level, sequence_ids))  # [B, T]
+    rho = log_ratio(logprobs, old_logprobs, mask, level, sequence_ids)  # [B, T]
+    ratio = torch.exp(rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))  # [B, T]
     adv = _per_token(advantages.to(ratio.dtype), mask, 0.0)  # [B, T]
     unclipped = ratio * adv
     bounded = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
     loss = -torch.minimum(unclipped, bounded)  # [B, T] (4)
     clipped = bounded < unclipped
+    dual = torch.zeros_like(clipped)
     if dual_clip is not None:
         floor = -dual_clip * adv
         dual = (adv < 0) & (floor < loss)
         loss = torch.where(dual, floor, loss)  # (5)
         clipped = clipped | dual
-    clipped = clipped & real
+    clipped, dual = clipped & real, dual & real
     # where, not subtraction everywhere: an overflowed ratio times a zero advantage is nan
     bias = torch.where(clipped, (-unclipped - loss).abs(), 0.0).detach()  # [B, T] (8)
     if is_weights is not None:
         loss = loss * torch.where(real, is_weights.to(loss.dtype), 1.0).detach()  # (6)
     per_token = torch.where(real, loss, 0.0)
-    return LossTerms(per_token=per_token, ratio=ratio, clipped=clipped, bias=bias)
+    return LossTerms(per_token=per_token, ratio=ratio, clipped=clipped, dual_clipped=dual, bias=bias)
 
 
 def truncated_is_weights(trainer_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, cap: float) -> Tensor:
@@ -301,7 +326,7 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor, estimator: 
         ref_logprobs: ``[B, T]`` the reference.
         mask: ``[B, T]``.
         estimator: ``"k1"`` (unbiased, can be negative), ``"k2"`` or ``"k3"``
-            (unbiased, >= 0, low variance).
+            (unbiased, >= 0, low variance). As a loss their gradients differ: see (13).
     """
     _choice(estimator, KLEstimator, "KL estimator")
     d = torch.where(mask > 0, ref_logprobs - logprobs, 0.0)  # [B, T]

@@ -11,11 +11,19 @@ touches an optimizer. One update of a role:
     the configured IS level, dual clip and truncated-IS weights, the KL when it is a loss
     term, and hands the scalar to ``backward``;
   * returns sums for the logs and the clipping-bias sums of the normalization.
+
+A planner turn's memory retrieval is a decision of its own (the query adapter's ordered
+Plackett-Luce choice of k entries among the FAISS top-n). It is *not* a token of the
+planner turn: folded in as one, its weight would depend on the turn's length (1/2 of a
+score-mode turn, about 1/13 of a generated one). ``retrieval_loss`` gives it its own ratio
+(exact: one probability per retrieval), its own clip, its own clipping-bias sums and the
+planner turn's advantage, weighted by ``retrieval_coef`` against the planner's term. The
+proposal set (the top-n entries FAISS returned for the adapted query) is treated as fixed:
+the ratio is that of the choice within it, not of the set itself.
 """
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Literal
@@ -27,9 +35,11 @@ from hieragent.objectives.losses import (
     Aggregation,
     KLEstimator,
     Level,
+    aggregate,
     aggregation_weights,
     clip_bias_sums,
     clipped_policy_loss,
+    effective_sample_size,
     kl_penalty,
     logprob_gap,
     truncated_is_weights,
@@ -53,18 +63,32 @@ class ObjectiveSettings:
             trainer recomputes the behaviour log-probs at the rollout weights, clips its
             ratio against those and weights each token by ``min(pi_trainer / pi_engine,
             tis_cap)``. ``None`` is off (the engine's log-probs are the behaviour).
-        clip_normalization: Clipping-triggered normalization (after ST-PPO): a role's step
-            shrinks by ``1 / (1 + strength * bias)`` where ``bias`` measures what the clip
-            removed (see ``losses.clip_normalization_scale``). No clip, no change.
+        clip_normalization: Clipping-triggered normalization (after ST-PPO): a role's
+            optimizer step shrinks by ``lambda = 1 / (1 + strength * bias)``, where ``bias``
+            measures what the clip removed (``losses.clip_normalization_scale``). lambda
+            multiplies the learning rate of the role's adapter for that step (the retrieval's
+            own lambda that of the query adapter), so the parameter change itself shrinks by
+            lambda; scaling the gradient instead would be undone by Adam's normalisation.
+            No clip, no change.
         clip_norm_strength: ``strength`` above.
         aggregation: ``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``.
-        kl_coef: Weight of the KL to the reference (the LM with adapters disabled).
-        kl_estimator: ``k1``, ``k2`` or ``k3`` (low variance, >= 0).
+        kl_coef: Weight of the KL to the reference policy (``model.reference``).
+        kl_estimator: ``k1``, ``k2`` or ``k3``. As a loss, k2's gradient is that of
+            KL(pi||ref) and k3's that of KL(ref||pi); k1's averages to zero, so it is
+            refused with ``kl_mode: loss`` (see ``losses``, equation (13)).
         kl_mode: ``loss`` (a term of the loss) or ``reward`` (subtracted from each turn's
             reward before advantages, from the behaviour log-probs).
+        kl_importance_weight: ``kl_mode: loss`` on stale samples: weight each token's KL
+            term by its detached importance ratio, so it estimates the KL under the current
+            policy, not the behaviour one (TRL's ``use_bias_correction_kl``); 1 on-policy.
+        retrieval_coef: Weight of the memory retrieval's own clipped term (one ratio per
+            planner turn that retrieved) against the planner's policy term; 0 stops the
+            query adapter from learning from reward.
         minibatch_turns: Turns per optimizer step, sampled per role; ``None`` uses all.
         micro_batch_turns: Turns per forward pass (memory only; the gradient is the same).
-        max_grad_norm: Gradient clipping by global norm; ``0`` turns it off.
+        max_grad_norm: Gradient clipping by norm, per optimizer param group (each adapter,
+            the query adapter, the value head), so one group's large gradient never
+            shrinks another's step; ``0`` turns it off.
     """
 
     level: Level = "turn"
@@ -78,6 +102,8 @@ class ObjectiveSettings:
     kl_coef: float = 0.01
     kl_estimator: KLEstimator = "k3"
     kl_mode: Literal["loss", "reward"] = "loss"
+    kl_importance_weight: bool = True
+    retrieval_coef: float = 1.0
     minibatch_turns: int | None = None
     micro_batch_turns: int = 32
     max_grad_norm: float = 1.0
@@ -91,10 +117,25 @@ class ObjectiveSettings:
             raise ValueError(f"model.objective.tis_cap must be > 0 (or null), got {self.tis_cap}")
         if self.micro_batch_turns < 1:
             raise ValueError(f"model.objective.micro_batch_turns must be >= 1, got {self.micro_batch_turns}")
+        if not (self.eps_low >= 0 and self.eps_high >= 0):
+            raise ValueError(f"model.objective.eps_low and eps_high must be >= 0, got {self.eps_low} "
+                             f"and {self.eps_high}")
+        if self.retrieval_coef < 0:
+            raise ValueError(f"model.objective.retrieval_coef must be >= 0, got {self.retrieval_coef}")
+        if self.kl_in_loss and self.kl_estimator == "k1":
+            raise ValueError("model.objective.kl_estimator 'k1' has zero expected gradient as a loss; use "
+                             "k2 (grad of KL(pi||ref)) or k3 with kl_mode: loss, or k1 with kl_mode: reward")
 
     @property
     def kl_in_loss(self) -> bool:
         return self.kl_coef > 0 and self.kl_mode == "loss"
+
+    @property
+    def whole_sequences(self) -> bool:
+        """Whether minibatches and micro-batches must keep a trajectory's turns together:
+        the sequence ratio (3) needs all of them, and the per-sequence aggregations (11)-(12)
+        weight rows by their sequence, computed once per update over the minibatch drawn."""
+        return self.level == "sequence" or self.aggregation != "token-mean"
 
 
 # -- which turns, grouped how ----------------------------------------------------------------
@@ -161,14 +202,13 @@ def micro_batches(items: RoleTurns, size: int, whole_sequences: bool) -> list[li
 
 
 def old_logprobs_of(turn: Turn, trainer: bool = False) -> list[float]:
-    """Behaviour log-probs aligned with ``Planner.turn_logprobs``: retrieval comes last.
+    """Behaviour log-probs aligned with ``Policy.turn_logprobs`` (the retrieval is not one).
 
     ``trainer=True`` gives the trainer's recomputation at the rollout weights where the
     rollout recorded one (truncated IS), else the engine's own.
     """
     own = turn.trainer_logprobs if trainer and turn.trainer_logprobs is not None else turn.old_logprobs
-    extra = [turn.retrieval.old_logprob] if turn.retrieval is not None else []
-    return list(own) + extra
+    return list(own)
 
 
 def count_tokens(turns: list[Turn]) -> int:
@@ -184,11 +224,9 @@ class ChunkLoss:
     policy_sum: float
     kl_sum: float
     clipped: int
+    dual_clipped: int
     tokens: int
-    ratio_sum: float
-    ratio_sq_sum: float
-    ratio_max: float
-    ratio_min: float
+    ratios: Tensor  # [n] the real tokens' ratios, detached
     bias_sum: float
     adv_sum: float
     gap_sum: float
@@ -210,6 +248,11 @@ def chunk_loss(logprobs: list[Tensor], ref_logprobs: list[Tensor] | None, turns:
             over the whole update, sliced).
         sequence_ids: Per turn, its sequence (for ``level: sequence``).
     """
+    for lp_row, turn in zip(logprobs, turns):
+        if len(lp_row) != len(old_logprobs_of(turn)):
+            raise ValueError(f"{turn.role} turn {turn.text!r} (policy version {turn.policy_version}): the "
+                             f"recomputed log-probs have {len(lp_row)} entries, its behaviour log-probs "
+                             f"{len(old_logprobs_of(turn))}; the recorded ids and the recomputation disagree")
     lp, mask = pad_rows(logprobs)  # [B, T]
     as_tensor = lambda rows: pad_rows(  # noqa: E731
         [torch.tensor(r, dtype=lp.dtype, device=lp.device) for r in rows], lp.shape[1])[0]
@@ -223,23 +266,21 @@ def chunk_loss(logprobs: list[Tensor], ref_logprobs: list[Tensor] | None, turns:
     seq = torch.tensor(sequence_ids, device=lp.device) if sequence_ids is not None else None
     terms = clipped_policy_loss(lp, old, adv, mask, settings.eps_low, settings.eps_high,
                                 settings.level, seq, settings.dual_clip, is_weights)
-    w = row_weights.to(lp.dtype)[:, None]  # [B, 1]
-    policy = (terms.per_token * w).sum()
+    policy = aggregate(terms.per_token, row_weights)
     kl = lp.new_zeros(())
     if ref_logprobs is not None:
         ref, ref_mask = pad_rows([r.to(lp.dtype) for r in ref_logprobs], lp.shape[1])  # [B, T]
-        kl = (kl_penalty(lp, ref, ref_mask, settings.kl_estimator) * w).sum()
+        per_token_kl = kl_penalty(lp, ref, ref_mask, settings.kl_estimator)  # [B, T]
+        if settings.kl_importance_weight:  # samples came from pi_old: weight to pi_theta
+            per_token_kl = per_token_kl * terms.ratio.detach()
+        kl = aggregate(per_token_kl, row_weights)
     loss = policy + settings.kl_coef * kl
     real = mask > 0
-    ratios = terms.ratio.detach()[real]
     bias_sum, adv_sum = clip_bias_sums(terms, adv, mask)
     return ChunkLoss(
         loss=loss, policy_sum=float(policy.detach()), kl_sum=float(kl.detach()),
-        clipped=int(terms.clipped.sum()), tokens=int(real.sum()),
-        ratio_sum=float(ratios.sum()) if ratios.numel() else 0.0,
-        ratio_sq_sum=float((ratios ** 2).sum()) if ratios.numel() else 0.0,
-        ratio_max=float(ratios.max()) if ratios.numel() else 1.0,
-        ratio_min=float(ratios.min()) if ratios.numel() else 1.0,
+        clipped=int(terms.clipped.sum()), dual_clipped=int(terms.dual_clipped.sum()),
+        tokens=int(real.sum()), ratios=terms.ratio.detach()[real].double().cpu(),
         bias_sum=bias_sum, adv_sum=adv_sum, gap_sum=gap,
         clipped_rows=terms.clipped.sum(-1).tolist(), tokens_rows=real.sum(-1).tolist(),
     )
@@ -266,15 +307,14 @@ class RoleStats:
     policy: float = 0.0
     kl: float = 0.0
     clipped: int = 0
+    dual_clipped: int = 0
     tokens: int = 0
-    ratio_sum: float = 0.0
-    ratio_sq_sum: float = 0.0
-    ratio_max: float = -math.inf
-    ratio_min: float = math.inf
+    ratios: list[Tensor] = field(default_factory=list)
     bias_sum: float = 0.0
     adv_sum: float = 0.0
     gap_sum: float = 0.0
     turns: int = 0
+    bad_turns: list[Turn] = field(default_factory=list)  # the micro-batch whose loss was not finite
     clipped_by_index: list[int] = field(default_factory=lambda: [0] * TURN_INDEX_BUCKETS)
     tokens_by_index: list[int] = field(default_factory=lambda: [0] * TURN_INDEX_BUCKETS)
 
@@ -282,11 +322,9 @@ class RoleStats:
         self.policy += part.policy_sum
         self.kl += part.kl_sum
         self.clipped += part.clipped
+        self.dual_clipped += part.dual_clipped
         self.tokens += part.tokens
-        self.ratio_sum += part.ratio_sum
-        self.ratio_sq_sum += part.ratio_sq_sum
-        self.ratio_max = max(self.ratio_max, part.ratio_max)
-        self.ratio_min = min(self.ratio_min, part.ratio_min)
+        self.ratios.append(part.ratios)
         self.bias_sum += part.bias_sum
         self.adv_sum += part.adv_sum
         self.gap_sum += part.gap_sum
@@ -297,12 +335,14 @@ class RoleStats:
 
     def logged(self, role: str) -> dict[str, float]:
         n = max(self.tokens, 1)
+        ratios = torch.cat(self.ratios) if self.ratios else torch.ones(0, dtype=torch.float64)  # [n]
         out = {f"{role}/loss": self.policy, f"{role}/kl": self.kl, f"{role}/clip_frac": self.clipped / n,
-               f"{role}/ratio_mean": self.ratio_sum / n,
-               f"{role}/ratio_max": self.ratio_max if self.tokens else 1.0,
-               f"{role}/ratio_min": self.ratio_min if self.tokens else 1.0,
+               f"{role}/dual_clip_frac": self.dual_clipped / n,
+               f"{role}/ratio_mean": float(ratios.mean()) if ratios.numel() else 1.0,
+               f"{role}/ratio_max": float(ratios.max()) if ratios.numel() else 1.0,
+               f"{role}/ratio_min": float(ratios.min()) if ratios.numel() else 1.0,
                # Kish effective sample size of the IS weights, as a fraction of the tokens
-               f"{role}/ess": (self.ratio_sum ** 2 / (n * self.ratio_sq_sum)) if self.ratio_sq_sum > 0 else 1.0,
+               f"{role}/ess": effective_sample_size(ratios, torch.ones_like(ratios)),
                f"{role}/turns": float(self.turns)}
         for b in range(TURN_INDEX_BUCKETS):
             if self.tokens_by_index[b]:
@@ -315,7 +355,7 @@ def role_loss(policy, items: RoleTurns, settings: ObjectiveSettings,
               backward: Callable[[Tensor], None]) -> RoleStats:
     """Forward and backward over one role's turns; stops at the first non-finite loss."""
     stats = RoleStats(turns=len(items.turns))
-    whole = settings.level == "sequence" or settings.aggregation != "token-mean"
+    whole = settings.whole_sequences
     lengths = torch.tensor([len(old_logprobs_of(t)) for t in items.turns])
     weights = aggregation_weights(lengths, torch.tensor(items.sequence_ids), settings.aggregation)
     for rows in micro_batches(items, settings.micro_batch_turns, whole):
@@ -324,8 +364,40 @@ def role_loss(policy, items: RoleTurns, settings: ObjectiveSettings,
         part = chunk_loss(policy.turn_logprobs(chunk.turns), ref, chunk.turns, weights[rows],
                           settings, chunk.sequence_ids)
         if not torch.isfinite(part.loss):
-            stats.finite = False
+            stats.finite, stats.bad_turns = False, chunk.turns
             return stats
         backward(part.loss)
         stats.add(part, chunk.turn_index)
+    return stats
+
+
+def retrieval_loss(planner, items: RoleTurns, settings: ObjectiveSettings,
+                   backward: Callable[[Tensor], None]) -> RoleStats:
+    """The retrieval's own clipped term over the planner turns that retrieved (see the top).
+
+    One row per retrieval, one "token" each: the log-probability of the ordered choice, so
+    every IS level gives the same exact ratio. Rows are averaged and weighted by
+    ``retrieval_coef``; the advantage is the planner turn's. No KL: a retrieval has no
+    reference, and no truncated IS: the trainer computes it exactly as the rollout did.
+    """
+    turns = [t for t in items.turns if t.retrieval is not None]
+    stats = RoleStats(turns=len(turns))
+    if not turns or settings.retrieval_coef == 0:
+        return stats
+    lp = planner.retrieval_logprobs(turns)[:, None]  # [R, 1]
+    old = torch.tensor([[t.retrieval.old_logprob] for t in turns], dtype=lp.dtype, device=lp.device)  # [R, 1]
+    adv = torch.tensor([t.advantage for t in turns], dtype=lp.dtype, device=lp.device)  # [R]
+    mask = torch.ones_like(lp)  # [R, 1]
+    terms = clipped_policy_loss(lp, old, adv, mask, settings.eps_low, settings.eps_high, "token",
+                                None, settings.dual_clip)
+    policy = aggregate(terms.per_token, aggregation_weights(torch.ones(len(turns)), None, "token-mean"))
+    if not torch.isfinite(policy):
+        stats.finite, stats.bad_turns = False, turns
+        return stats
+    backward(settings.retrieval_coef * policy)
+    stats.policy = float(policy.detach())
+    stats.clipped, stats.dual_clipped = int(terms.clipped.sum()), int(terms.dual_clipped.sum())
+    stats.tokens = len(turns)
+    stats.ratios.append(terms.ratio.detach()[:, 0].double().cpu())
+    stats.bias_sum, stats.adv_sum = clip_bias_sums(terms, adv, mask)
     return stats

@@ -21,45 +21,32 @@ file (atomically) for the warm-start stage, ``data.demos`` in an SFT config.
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
-import os
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 from rich.progress import Progress
 
-from hieragent.envs.base import TextEnv, make_env
+from hieragent.envs.base import TextEnv, family, load, make_env
+from hieragent.io import iter_jsonl, write_jsonl
 from hieragent.types import Demonstration, ExecutorStep, PlannerStep
 
 Segments = list[tuple[str, list[str]]]
 
-# env-name prefix -> (module, function, source). BabyAI's expert takes (env, seed); the
-# others plan from the episode the env has just reset to.
-_EXPERTS = {
-    "BabyAI-": ("hieragent.envs.expert", "expert_segments", "babyai-bot"),
-    "TextWorld-": ("hieragent.envs.textworld", "walkthrough_segments", "textworld-walkthrough"),
-    "FrozenLake-": ("hieragent.envs.frozenlake", "expert_segments", "planner-search"),
-    "Sokoban-": ("hieragent.envs.sokoban", "expert_segments", "planner-search"),
-}
-
 
 def expert_for(name: str) -> tuple[Callable[[TextEnv, int], Segments], str]:
-    """The expert of env ``name`` as ``segments(env, seed)``, and its source label."""
-    for prefix, (module, function, source) in _EXPERTS.items():
-        if name.startswith(prefix):
-            planner = getattr(importlib.import_module(module), function)
-            if prefix == "BabyAI-":
-                return planner, source
+    """The expert of env ``name`` as ``segments(env, seed)``, and its source label
+    (``hieragent.envs.base.FAMILIES``)."""
+    fam = family(name)
+    expert = load(f"{fam.expert}:{fam.segments}")
+    if fam.segments_take_seed:
+        return expert, fam.source
 
-            def segments(env: TextEnv, seed: int, planner=planner) -> Segments:
-                env.reset(seed)
-                return planner(env)
+    def segments(env: TextEnv, seed: int) -> Segments:
+        env.reset(seed)
+        return expert(env)
 
-            return segments, source
-    raise ValueError(f"no expert for env {name!r}; experts exist for {', '.join(_EXPERTS)}*")
+    return segments, fam.source
 
 
 def record(env: TextEnv, name: str, seed: int, segments: Segments, source: str) -> Demonstration:
@@ -111,22 +98,9 @@ def demonstrations(name: str, seeds: Iterable[int], progress: Progress | None = 
             progress.advance(task)
 
 
-def write_jsonl(demos: Iterable[Demonstration | dict], path: Path) -> int:
-    """Write ``demos`` (dataclasses or plain dicts) to ``path`` atomically (temporary file,
-    then rename); returns the count."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    n = 0
-    try:
-        with os.fdopen(fd, "w") as f:
-            for demo in demos:
-                f.write(json.dumps(demo if isinstance(demo, dict) else asdict(demo)) + "\n")
-                n += 1
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return n
+def write_demonstrations(demos: Iterable[Demonstration], path: Path) -> int:
+    """Write ``demos`` to ``path`` as JSONL, atomically; returns the count."""
+    return write_jsonl((asdict(d) for d in demos), path)
 
 
 def resolve(path: str | Path) -> Path:
@@ -137,25 +111,21 @@ def resolve(path: str | Path) -> Path:
     return cache_dir() / text[len("cache:"):] if text.startswith("cache:") else Path(text)
 
 
-def read_jsonl(path: str | Path) -> list[Demonstration]:
+def read_demonstrations(path: str | Path) -> list[Demonstration]:
     """Demonstrations from a JSONL file; a bad line is an error naming the file and line."""
     path = resolve(path)
     if not path.is_file():
         raise FileNotFoundError(f"demonstrations file '{path}' does not exist; write one with "
                                 "`python -m hieragent.rollout.demos --env <name> --out <file>`")
     out = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-                raw["planner"] = [PlannerStep(**p) for p in raw.get("planner", [])]
-                raw["executor"] = [ExecutorStep(**e) for e in raw.get("executor", [])]
-                out.append(Demonstration(**raw))
-            except (json.JSONDecodeError, TypeError) as err:
-                raise ValueError(f"{path}:{lineno}: not a demonstration ({err}); see "
-                                 "hieragent.rollout.demos for the schema") from None
+    for lineno, raw in iter_jsonl(path):
+        try:
+            raw["planner"] = [PlannerStep(**p) for p in raw.get("planner", [])]
+            raw["executor"] = [ExecutorStep(**e) for e in raw.get("executor", [])]
+            out.append(Demonstration(**raw))
+        except TypeError as err:
+            raise ValueError(f"{path}:{lineno}: not a demonstration ({err}); see "
+                             "hieragent.rollout.demos for the schema") from None
     if not out:
         raise ValueError(f"demonstrations file '{path}' holds no demonstrations")
     return out
@@ -172,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     out = resolve(a.out or f"cache:demos/{a.env}.jsonl")
     seeds = range(a.first_seed, a.first_seed + a.episodes)
     with Progress() as progress:
-        n = write_jsonl(demonstrations(a.env, seeds, progress), out)
+        n = write_demonstrations(demonstrations(a.env, seeds, progress), out)
     print(f"{n} of {a.episodes} episodes written to {out}")
 
 

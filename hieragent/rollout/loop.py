@@ -133,7 +133,7 @@ def _planner_turns(pool, states, idx, planner, bank, settings, greedy, version, 
     show = options if planner.mode == "generate" else [None] * len(idx)
     prompts = [
         planner.prompt_ids(planner_text(states[i].observation.mission, states[i].observation.text,
-                                        skills[j], show[j], states[i].planner_feedback))
+                                        skills[j], show[j], states[i].planner_feedback), pool.world(i))
         for j, i in enumerate(idx)
     ]
     turns = planner.act(prompts, options, greedy, generator, version)
@@ -161,7 +161,7 @@ def _executor_turns(pool, states, idx, executor, settings, hierarchical, greedy,
     show = options if executor.mode == "generate" else [None] * len(idx)
     prompts = [
         executor.prompt_ids(executor_text(states[i].subgoal, states[i].observation.text, show[j],
-                                          states[i].executor_feedback))
+                                          states[i].executor_feedback), pool.world(i))
         for j, i in enumerate(idx)
     ]
     turns = executor.act(prompts, options, greedy, generator, version)

@@ -14,7 +14,6 @@ Lightning checkpoint and a resumed run replays the same batches.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -90,16 +89,14 @@ class ReplayBuffer:
         self._batches = kept
         return list(kept)
 
-    def discard_nonfinite(self) -> int:
-        """Drop every batch with a NaN or inf in its behaviour log-probs or advantages.
-
-        Such data would fail every update it is part of; returns the turns dropped.
-        """
-        bad = [b for b in self._batches if not all(_finite(t) for t in b.turns())]
-        for b in bad:
-            self._batches.remove(b)
-            self.dropped_turns += len(b.turns())
-        return sum(len(b.turns()) for b in bad)
+    def discard(self, batches: list[Batch]) -> int:
+        """Drop these batches (matched by identity) from the buffer; returns how many were held."""
+        drop = {id(b) for b in batches}
+        kept = deque(b for b in self._batches if id(b) not in drop)
+        n = len(self._batches) - len(kept)
+        self.dropped_turns += sum(len(b.turns()) for b in self._batches if id(b) in drop)
+        self._batches = kept
+        return n
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -114,13 +111,6 @@ class ReplayBuffer:
 def staleness(turns: list[Turn], version: int) -> list[int]:
     """Optimizer steps between the weights that produced each turn and ``version``."""
     return [version - t.policy_version for t in turns]
-
-
-def _finite(turn: Turn) -> bool:
-    values = [*turn.old_logprobs, *(turn.trainer_logprobs or []), turn.advantage]
-    if turn.retrieval is not None:
-        values.append(turn.retrieval.old_logprob)
-    return all(math.isfinite(v) for v in values)
 
 
 def _batch_from_dict(data: dict[str, Any]) -> Batch:

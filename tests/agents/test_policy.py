@@ -1,8 +1,10 @@
 """Policies record behaviour log-probs that training recomputes exactly from the same ids."""
 
+import pytest
 import torch
 
 from hieragent.agents.policy import Executor, Planner
+from hieragent.agents.scoring import token_logprobs
 
 
 def test_score_mode_ratio_is_one_at_the_rollout_weights(tiny_lm, tokenizer):
@@ -48,3 +50,32 @@ def test_generate_mode_carries_sampled_ids_and_their_logprobs(tiny_lm, tokenizer
         assert len(t.old_logprobs) == len(t.action_ids) == len(lp)
         # generation (cached, left-padded) and training (prefix-cached) agree on the same ids
         torch.testing.assert_close(lp, torch.tensor(t.old_logprobs), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.5])
+def test_generate_mode_behaviour_and_training_logprobs_agree_at_any_temperature(tiny_lm, tokenizer, temperature):
+    torch.manual_seed(1)
+    ex = Executor(mode="generate", max_new_tokens=6, temperature=temperature)
+    ex.bind(tiny_lm, tokenizer)
+    prompts = [ex.prompt_ids("Subgoal: go to the red ball"), ex.prompt_ids("Subgoal: open the door")]
+    turns = ex.act(prompts, [[], []])
+    new = ex.turn_logprobs(turns)
+    for t, lp in zip(turns, new):
+        torch.testing.assert_close(lp, torch.tensor(t.old_logprobs), rtol=1e-4, atol=1e-4)
+    # and both are the tempered distribution, written out in float64 from a plain forward
+    t = turns[0]
+    ids = torch.tensor([t.prompt_ids + t.action_ids])
+    with ex.active(), torch.no_grad():
+        logits = tiny_lm(input_ids=ids).logits[0].double()  # [P + N, V]
+    pred = logits[len(t.prompt_ids) - 1: -1]  # [N, V]: position j predicts action token j
+    want = torch.log_softmax(pred / temperature, -1).gather(-1, torch.tensor(t.action_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(t.old_logprobs, dtype=torch.float64), want, rtol=1e-4, atol=1e-4)
+
+
+def test_token_logprobs_is_the_tempered_log_softmax():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 4, 11, generator=g) * 3
+    ids = torch.randint(0, 11, (3, 4), generator=g)
+    for temperature in (0.5, 1.0, 1.5):
+        want = torch.log_softmax(logits.double() / temperature, -1).gather(-1, ids[..., None])[..., 0]
+        torch.testing.assert_close(token_logprobs(logits, ids, temperature).double(), want, rtol=1e-5, atol=1e-6)

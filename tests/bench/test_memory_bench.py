@@ -2,7 +2,9 @@
 
 import math
 
-from hieragent.bench.memory import EXACT, main, mission_texts
+import numpy as np
+
+from hieragent.bench.memory import EXACT, main, mission_texts, numpy_topk, recall_at_k
 
 
 def test_bench_prints_every_index_and_exact_paths_agree(capsys):
@@ -18,7 +20,11 @@ def test_bench_prints_every_index_and_exact_paths_agree(capsys):
         # every exact path is scored against the numpy result: they must find the same top 10
         assert all(r.recall == 1.0 for r in exact)
         ivf = [r for r in rows if r.data == data and r.index.startswith("IVF")]
-        assert len(ivf) == 4 and all(0.0 <= r.recall <= 1.0 for r in ivf)
+        assert len(ivf) == 4
+        # more lists probed can only find more of the true top 10, and probing few is lossy
+        assert [r.recall for r in ivf] == sorted(r.recall for r in ivf)
+        if data == "uniform":  # no clusters to find: 8 of ~180 lists miss most neighbours
+            assert ivf[0].recall < 0.9
         assert all(r.batch_ms > 0 and math.isfinite(r.batch_ms) for r in exact + ivf)
 
 
@@ -26,3 +32,17 @@ def test_mission_texts_are_distinct_and_seeded():
     texts = mission_texts(500, seed=0)
     assert len(set(texts)) == 500
     assert texts == mission_texts(500, seed=0) != mission_texts(500, seed=1)
+
+
+def test_recall_counts_true_neighbours_found_ignoring_padding_and_order():
+    truth = np.array([[0, 1, 2, 3], [4, 5, 6, 7]])
+    found = np.array([[3, 2, 9, -1], [7, 6, 5, 4]])  # 2 of 4 (one slot unfilled), then 4 of 4
+    assert recall_at_k(found, truth) == 6 / 8
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((300, 8)).astype(np.float32)
+    q = rng.standard_normal((20, 8)).astype(np.float32)
+    exact = numpy_topk(x, q)
+    brute = np.argsort(-(q.astype(np.float64) @ x.T.astype(np.float64)), axis=1)[:, : exact.shape[1]]
+    assert recall_at_k(exact, brute) == 1.0
+    shifted = np.where(np.arange(exact.shape[1]) < 3, exact, -1)  # keep the first 3 of each row
+    assert recall_at_k(shifted, brute) == 3 / exact.shape[1]

@@ -1,14 +1,34 @@
 """``make bench-objective`` runs end to end (at a toy budget) and prints its whole table."""
 
-from hieragent.bench.objective import main
+import json
+import math
+
+from hieragent.bench.objective import interval_verdicts, main, read_metrics, separated
 
 
-def test_bench_runs_every_variant_and_prints_the_table(tmp_path, capsys):
-    main(["--batches", "1", "--updates", "2", "--lag", "1", "--out", str(tmp_path)])
+def test_bench_runs_every_variant_and_its_stale_runs_are_really_off_policy(tmp_path, capsys):
+    results = main(["--seeds", "0", "--batches", "1", "--updates", "2", "--lag", "1", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    for name in ("on-policy", "token PPO", "turn IS + clip norm."):
+    for name in ("on-policy", "token PPO", "turn IS + clip norm.", "mean ± std", "inside the noise"):
         assert name in out
+    runs = sorted(tmp_path.glob("run*/lightning_logs/tiny_learn/version_0"))
+    assert len(runs) == len(results) == 4
     # the stale runs really took two optimizer steps per rollout batch
-    summaries = sorted(tmp_path.glob("run*/lightning_logs/tiny_learn/version_0/eval_summary.json"))
-    assert len(summaries) == 4
-    assert [s.read_text().count('"updates": 2') for s in summaries] == [0, 1, 1, 1]
+    assert [json.loads((r / "eval_summary.json").read_text())["updates"] for r in runs] == [1, 2, 2, 2]
+    for run, (name, (summary,)) in zip(runs, results):
+        m = read_metrics(run)
+        assert summary["after"] == json.loads((run / "eval_summary.json").read_text())["after"]["success"]
+        ratios = m["executor/ratio_max"] + m["executor/ratio_min"]
+        if name.startswith("on-policy"):  # one update per fresh batch: every ratio is exactly 1
+            assert set(ratios) == {1.0} and summary["clip_frac"] == 0.0
+        else:  # the second update of a batch rolled out one step earlier is off-policy
+            assert max(abs(r - 1.0) for r in ratios) > 1e-4
+        assert math.isnan(summary["norm_triggered"]) == ("clip norm" not in name)
+
+
+def test_interval_verdicts_separate_only_disjoint_mean_std_intervals():
+    assert separated([0.9, 0.92, 0.94], [0.5, 0.52, 0.54])
+    assert not separated([0.9, 0.5, 0.7], [0.6, 0.62, 0.64])
+    lines = interval_verdicts({"a": [0.9, 0.92, 0.94], "b": [0.5, 0.52, 0.54], "c": [0.9, 0.5, 0.7]})
+    assert lines[0] == "'a' > 'b': the mean ± std intervals are disjoint"
+    assert "inside the noise" in lines[1] and "inside the noise" in lines[2]

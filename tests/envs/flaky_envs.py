@@ -23,6 +23,8 @@ class FlakyEnv(TextEnv):
         **kwargs: For ``BabyAITextEnv``.
     """
 
+    world = BabyAITextEnv.world
+
     def __init__(self, level: str, faults: dict[int, tuple[str, str | int]] | None = None,
                  **kwargs: object) -> None:
         self.inner = BabyAITextEnv(level, **kwargs)  # type: ignore[arg-type]

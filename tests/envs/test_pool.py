@@ -64,6 +64,11 @@ def test_pool_make_passes_env_kwargs() -> None:
     assert pool.step({0: "x"})[0].reward == -0.5
 
 
+def test_pool_gives_each_envs_world_through_the_loop_guard() -> None:
+    pool = EnvPool([BabyAITextEnv(LOCAL), LoopGuard(make_env("Sokoban-6x6-1box-v0"))])
+    assert [pool.world(0), pool.world(1)] == ["a grid world", "a Sokoban puzzle"]
+
+
 # ---- failures, in-process ------------------------------------------------------------
 FAULTS = {101: ("raise", 2), 104: ("raise", "reset"), 105: ("raise", "set_subgoal")}
 

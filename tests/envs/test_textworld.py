@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from hieragent.envs.base import EVAL_SEED_OFFSET
 from hieragent.envs.textworld import NAMES, TextWorldEnv, expert_episode, walkthrough_segments
 from hieragent.envs.textworld_games import (
-    EVAL_SEED_OFFSET, LEVELS, default_games_dir, game_path, generate, is_complete, main, wins,
+    LEVELS, default_games_dir, game_path, generate, is_complete, main, wins,
 )
 
 EASY, MEDIUM = "TextWorld-Easy-v0", "TextWorld-Medium-v0"
@@ -110,13 +111,11 @@ def test_a_killed_generation_leaves_the_game_complete_or_absent(tmp_path: Path) 
 
 
 def test_games_dir_defaults_to_the_hieragent_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from hieragent.lightning.datamodule import EVAL_SEED_OFFSET as DATAMODULE_OFFSET
     from hieragent.models.loading import cache_dir
 
     monkeypatch.setenv("HIERAGENT_CACHE", str(tmp_path))
     assert default_games_dir() == cache_dir() / "textworld" == tmp_path / "textworld"
     assert game_path(EASY, 12) == tmp_path / "textworld" / EASY / "12.z8"
-    assert HELDOUT == DATAMODULE_OFFSET
 
 
 def test_importing_the_env_module_does_not_import_textworld() -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from flaky_envs import FlakyEnv
 
-from hieragent.envs import ACTIONS, EnvPool, make_env
+from hieragent.envs import ACTIONS, BabyAITextEnv, EnvPool, make_env
 from hieragent.envs.guards import ended_by_loop
 from hieragent.envs.pool import FAILED_FEEDBACK
 from hieragent.types import Observation
@@ -101,6 +101,7 @@ def test_workers_play_the_same_episodes_as_in_process(pool: EnvPool, reference: 
     assert ended_by_loop(of_env(reference, 0)[-1][1])  # the guard runs in the workers too
     assert pool.failed == set() and pool.dropped_episodes == 0 and pool.restarts == 0
     assert pool.invalid_penalty(3) == 0.25
+    assert pool.world(3) == BabyAITextEnv.world  # read in the worker, through the loop guard
     with pytest.raises(AttributeError, match="worker processes"):
         pool.envs
 

@@ -95,6 +95,73 @@ class PoisonedAt(HierAgentModule):
         return skip
 
 
+class Planted(HierAgentModule):
+    """The real module; at training step 1 one value of the newest batch is replaced, once."""
+
+    plant: str = "log_ratio"
+    planted_at = None
+
+    def _update(self, batches):
+        if self.global_step == 1 and self.planted_at is None:
+            turn = batches[-1].turns("executor")[0]
+            if self.plant == "log_ratio":
+                turn.old_logprobs[0] = -1e4  # log-ratio ~ +1e4: exp overflows without the clamp
+            else:
+                turn.advantage = 1e39  # finite in Python, inf in the float32 loss
+            self.planted_at = self.global_step
+        return super()._update(batches)
+
+
+def test_a_huge_log_ratio_trains_on_with_no_skipped_step(tmp_path):
+    module = tiny_module(Planted, objective=ObjectiveSettings(kl_coef=0.0),
+                         replay=ReplaySettings(updates_per_batch=2, max_staleness=4))
+    trainer, rows = fit(module, tmp_path, steps=6)
+    assert module.planted_at == 1 and trainer.global_step == 6
+    assert column(rows, "train/skipped_step") == [0.0] * 6
+    assert max(column(rows, "executor/ratio_max")) > 1e8  # it reached the clamp, exp(20)
+    assert all(torch.isfinite(p).all() for p in module.trainable_parameters().values())
+
+
+def test_a_skipped_step_drops_the_batch_that_caused_it_so_training_does_not_stall(tmp_path, caplog):
+    """Finite data whose loss is not finite: kept, it would skip every update that reuses it."""
+    Planted.plant = "advantage"
+    try:
+        module = tiny_module(Planted, objective=ObjectiveSettings(kl_coef=0.0),
+                             replay=ReplaySettings(updates_per_batch=2, max_staleness=4))
+        with caplog.at_level("WARNING"):
+            trainer, rows = fit(module, tmp_path, steps=6)
+    finally:
+        Planted.plant = "log_ratio"
+    skipped = column(rows, "train/skipped_step")
+    # one skip, then on: every other update stepped (a skip is no optimizer step)
+    assert skipped.count(1.0) == 1 and trainer.global_step == len(skipped) - 1 >= 6
+    assert column(rows, "replay/dropped_batches") == [1.0]  # the poisoned batch, and only it
+    assert "non-finite executor loss" in caplog.text
+
+
+def test_off_policy_updates_fire_the_dual_clip_and_shrink_the_step_by_lambda_only_when_clipping(tmp_path):
+    module = tiny_module(objective=ObjectiveSettings(kl_coef=0.0, eps_low=0.01, eps_high=0.01, dual_clip=1.05,
+                                                     clip_normalization=True, clip_norm_strength=4.0),
+                         replay=ReplaySettings(updates_per_batch=3, max_staleness=2))
+    trainer, rows = fit(module, tmp_path, steps=9)
+    rows = [r for r in rows if r.get("executor/clip_frac") not in (None, "")]
+    assert len(rows) == 9
+    for r in rows:
+        clip, scale = float(r["executor/clip_frac"]), float(r["executor/clip_norm_scale"])
+        # the scale is the step's learning-rate factor, of that role's group only
+        assert float(r["executor/lr_scale"]) == scale
+        assert (scale < 1.0) == (clip > 0), r
+        assert float(r["executor/update_norm"]) > 0
+        if r.get("value/lr_scale") not in (None, ""):
+            assert float(r["value/lr_scale"]) == 1.0
+    first = [r for i, r in enumerate(rows) if i % 3 == 0]  # each batch's first update is on-policy
+    assert all(float(r["executor/clip_frac"]) == 0 and float(r["executor/clip_norm_scale"]) == 1.0 for r in first)
+    assert max(float(r["executor/clip_norm_scale"]) for r in rows if r not in first) < 1.0
+    assert max(float(r["executor/dual_clip_frac"]) for r in rows) > 0
+    assert max(float(r["retrieval/clip_norm_scale"]) if r.get("retrieval/clip_norm_scale") else 1.0
+               for r in rows) <= 1.0
+
+
 def test_a_nan_log_prob_skips_the_step_and_leaves_weights_and_optimizer_state_alone(tmp_path, caplog):
     module = tiny_module(PoisonedAt, objective=ObjectiveSettings(kl_coef=0.0))
     with caplog.at_level("WARNING"):
@@ -111,7 +178,7 @@ def test_a_nan_log_prob_skips_the_step_and_leaves_weights_and_optimizer_state_al
     ObjectiveSettings(level="sequence", aggregation="seq-mean-token-sum", kl_mode="reward",
                       kl_estimator="k2", kl_coef=0.05),
     ObjectiveSettings(level="token", dual_clip=3.0, tis_cap=2.0, clip_normalization=True,
-                      aggregation="seq-mean-token-mean", kl_estimator="k1", kl_coef=0.05),
+                      aggregation="seq-mean-token-mean", kl_estimator="k2", kl_coef=0.05),
 ], ids=["sequence-reward-kl", "token-dual-tis-norm"])
 def test_every_objective_option_trains_in_a_real_run(tmp_path, objective):
     module = tiny_module(objective=objective, replay=ReplaySettings(updates_per_batch=2))

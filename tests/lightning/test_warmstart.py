@@ -12,7 +12,7 @@ import torch
 from cli_helpers import run_cli
 from hieragent.agents.policy import Executor, Planner
 from hieragent.lightning.warmstart import _turn
-from hieragent.rollout.demos import demonstrations, write_jsonl
+from hieragent.rollout.demos import demonstrations, write_demonstrations
 
 LEVEL = "BabyAI-GoToObjS4-v0"
 
@@ -71,7 +71,7 @@ def _rows(path, key):
 
 def test_warm_start_raises_success_and_rl_starts_from_its_checkpoint(workspace):
     demos = workspace / "demos.jsonl"
-    assert write_jsonl(demonstrations(LEVEL, range(64)), demos) == 64
+    assert write_demonstrations(demonstrations(LEVEL, range(64)), demos) == 64
     small = ["--data.eval_episodes", "32", "--data.eval_batch", "32"]
     sft = run_cli(["fit", "--config", "configs/tiny_sft.yaml", "--data.demos", str(demos),
                    "--trainer.max_steps", "12", *small], workspace)

@@ -13,6 +13,7 @@ from hieragent.objectives.losses import (
     aggregation_weights,
     clip_bias_sums,
     clip_normalization_scale,
+    MAX_LOG_RATIO,
     clipped_policy_loss,
     effective_sample_size,
     kl_k3,
@@ -456,8 +457,8 @@ def test_normalization_scale_stays_finite_on_extreme_ratios(dtype, log_r):
     scale = clip_normalization_scale(bias_sum, adv_sum)
     assert math.isfinite(scale) and 0 <= scale <= 1
     assert adv_sum == pytest.approx(7.0)
-    if log_r > 0:
-        assert scale < 1e-20
+    if log_r > 0:  # the ratio is clamped at exp(MAX_LOG_RATIO) ~ 5e8: lambda ~ 1 / (1 + 5e8)
+        assert scale < 1e-8
     zero = clip_bias_sums(clipped_policy_loss(lp, old, adv * 0, mask, level="token"), adv * 0, mask)
     assert zero == (0.0, 0.0) and clip_normalization_scale(*zero) == 1.0
 
@@ -588,3 +589,23 @@ def test_effective_sample_size_matches_direct():
     assert effective_sample_size(terms.ratio, torch.zeros_like(mask)) == 1.0
     huge = torch.tensor([[1e300, 1.0, 1e300, 1.0]], dtype=torch.float64)
     assert effective_sample_size(huge, torch.ones(1, 4)) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("level", ["token", "turn", "sequence"])
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_a_huge_log_ratio_gives_a_finite_loss_and_gradient(level, dual_clip):
+    """Unclamped, exp(1e4) is inf and its backward inf * 0 = nan: every step would skip."""
+    g = torch.Generator().manual_seed(11)
+    lp = (-torch.rand(3, 4, generator=g, dtype=torch.float32) - 0.1).requires_grad_(True)
+    old = lp.detach() - 0.05 * torch.randn(3, 4, generator=g)
+    old[0, 1] = -1e4  # a planted behaviour log-prob: log-ratio ~ +1e4
+    old[2, 0] = 1e4  # and one of ~ -1e4
+    adv = torch.tensor([1.0, -0.5, -2.0])
+    mask = torch.ones(3, 4)
+    terms = clipped_policy_loss(lp, old, adv, mask, level=level, sequence_ids=torch.tensor([0, 0, 1]),
+                                dual_clip=dual_clip)
+    loss = terms.per_token.sum()
+    (grad,) = torch.autograd.grad(loss, lp)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert float(terms.ratio.detach().max()) == pytest.approx(math.exp(MAX_LOG_RATIO), rel=1e-6)
+    assert math.isfinite(clip_normalization_scale(*clip_bias_sums(terms, adv, mask)))

@@ -18,7 +18,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-trl = pytest.importorskip("trl", reason="TRL parity needs the `test` extra (pip install -e '.[test]')")
+try:  # a test dependency: parity must fail, not skip, where it is missing
+    import trl
+except ImportError as err:  # pragma: no cover - only without the test extra
+    raise ImportError("TRL parity needs trl, a test dependency: pip install -e '.[test]'") from err
 
 from datasets import Dataset  # noqa: E402  (a TRL dependency)
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402

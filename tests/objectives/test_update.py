@@ -8,9 +8,11 @@ import torch
 
 from hieragent.objectives.update import (
     ObjectiveSettings,
+    RoleTurns,
     chunk_loss,
     micro_batches,
     old_logprobs_of,
+    retrieval_loss,
     role_turns,
     sample_minibatch,
 )
@@ -122,3 +124,77 @@ def test_settings_reject_bad_values_naming_the_key():
         ObjectiveSettings(dual_clip=0.5)
     with pytest.raises(ValueError, match="model.objective.tis_cap"):
         ObjectiveSettings(tis_cap=0.0)
+
+
+def test_a_recomputed_row_of_another_length_is_refused_naming_the_turn():
+    turns = [Turn(role="executor", prompt_ids=[1], action_ids=[2, 3], old_logprobs=[-0.3, -0.2], text="go on",
+                  advantage=1.0, policy_version=4)]
+    w = aggregation_weights(torch.tensor([2]), None, "token-mean")
+    with pytest.raises(ValueError, match=r"executor turn 'go on' \(policy version 4\).*3 entries.*2"):
+        chunk_loss([torch.tensor([-0.3, -0.2, -0.1])], None, turns, w, ObjectiveSettings(kl_coef=0.0))
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_kl_term_is_weighted_by_the_detached_ratio_of_stale_samples(weighted):
+    rng = random.Random(6)
+    turns = [Turn(role="executor", prompt_ids=[1], action_ids=[2] * n, text="a", advantage=rng.uniform(-1, 1),
+                  old_logprobs=[-rng.uniform(0.1, 2) for _ in range(n)]) for n in (3, 1, 4)]
+    current = [[lp + rng.gauss(0, 0.4) for lp in t.old_logprobs] for t in turns]
+    refs = [[lp + rng.gauss(0, 0.4) for lp in t.old_logprobs] for t in turns]
+    settings = ObjectiveSettings(level="turn", kl_coef=0.3, kl_estimator="k2", kl_importance_weight=weighted)
+    w = aggregation_weights(torch.tensor([3, 1, 4]), None, "token-mean")
+    got = chunk_loss([torch.tensor(c, dtype=torch.float64) for c in current],
+                     [torch.tensor(r, dtype=torch.float64) for r in refs], turns, w, settings)
+    want = 0.0
+    for t, cur, ref in zip(turns, current, refs):
+        r = math.exp(sum(c - o for c, o in zip(cur, t.old_logprobs)) / len(cur))  # the turn ratio (2)
+        want += sum((r if weighted else 1.0) * 0.5 * (rf - c) ** 2 for c, rf in zip(cur, ref))
+    assert got.kl_sum == pytest.approx(want / 8, rel=1e-12)
+
+
+def test_the_retrieval_has_its_own_exact_ratio_clip_and_weight():
+    """The query adapter's ordered choice: one ratio per retrieval, clipped, times retrieval_coef."""
+    from hieragent.agents.policy import Planner
+    from hieragent.memory.retrieval import retrieval_logprob
+
+    g = torch.Generator().manual_seed(7)
+    planner = Planner(embed_dim=4)
+    turns = []
+    for i in range(5):
+        n = 3 + i % 2
+        r = Retrieval(query=torch.randn(4, generator=g).tolist(), keys=torch.randn(n, 4, generator=g).tolist(),
+                      entry_ids=list(range(n)), chosen=[i % n], old_logprob=0.0, temperature=0.5)
+        turns.append(Turn(role="planner", prompt_ids=[1], action_ids=[2], old_logprobs=[-0.5], text="s",
+                          advantage=float(torch.randn(1, generator=g)), retrieval=r))
+    turns.append(Turn(role="planner", prompt_ids=[1], action_ids=[2], old_logprobs=[-0.5], text="s"))
+    with torch.no_grad():  # behaviour: the adapter as it was, plus noise, so some ratios clip
+        now = retrieval_logprob(planner.query_adapter, [t.retrieval for t in turns[:5]])
+    for i, (t, lp) in enumerate(zip(turns, now.tolist())):
+        # even turns: ratio exp(+-0.5) in the advantage's direction, so the clip binds; odd: inside
+        t.retrieval.old_logprob = lp - math.copysign(0.5, t.advantage) if i % 2 == 0 else lp + 0.05
+    settings = ObjectiveSettings(eps_low=0.1, eps_high=0.1, retrieval_coef=0.7)
+    seen = []
+    stats = retrieval_loss(planner, RoleTurns(turns, list(range(6)), [0] * 6), settings, seen.append)
+    want = 0.0
+    for t, lp in zip(turns, now.tolist()):
+        ratio = math.exp(lp - t.retrieval.old_logprob)
+        want += -min(ratio * t.advantage, min(max(ratio, 0.9), 1.1) * t.advantage)
+    assert stats.turns == stats.tokens == 5 and stats.clipped == 3
+    assert len(seen) == 1 and seen[0].item() == pytest.approx(0.7 * want / 5, rel=1e-5)
+    assert stats.policy == pytest.approx(want / 5, rel=1e-5)
+    assert 0 < stats.bias_sum and stats.adv_sum == pytest.approx(sum(abs(t.advantage) for t in turns[:5]), rel=1e-6)
+    # the planner's own turns no longer carry the retrieval as a token
+    assert all(old_logprobs_of(t) == [-0.5] for t in turns)
+
+
+def test_settings_refuse_k1_as_a_loss_and_negative_clip_ranges():
+    with pytest.raises(ValueError, match="kl_estimator 'k1'.*kl_mode: reward"):
+        ObjectiveSettings(kl_estimator="k1", kl_mode="loss", kl_coef=0.1)
+    ObjectiveSettings(kl_estimator="k1", kl_mode="reward", kl_coef=0.1)  # a number there: fine
+    with pytest.raises(ValueError, match="eps_low and eps_high"):
+        ObjectiveSettings(eps_low=-0.2)
+    with pytest.raises(ValueError, match="retrieval_coef"):
+        ObjectiveSettings(retrieval_coef=-1.0)
+    assert ObjectiveSettings(aggregation="seq-mean-token-sum").whole_sequences
+    assert ObjectiveSettings(level="sequence").whole_sequences
+    assert not ObjectiveSettings().whole_sequences

@@ -6,7 +6,10 @@ from dataclasses import asdict
 import pytest
 
 from hieragent.envs.babyai import BabyAITextEnv
-from hieragent.rollout.demos import demonstrations, read_jsonl, record, write_jsonl
+from hieragent.envs.base import FAMILIES
+from hieragent.rollout.demos import (
+    demonstrations, expert_for, read_demonstrations, record, write_demonstrations,
+)
 
 LEVEL = "BabyAI-PickupLoc-v0"
 
@@ -40,14 +43,14 @@ def test_every_demo_replays_to_success_with_the_recorded_choices(demos) -> None:
 
 def test_jsonl_round_trip_is_exact(demos, tmp_path) -> None:
     path = tmp_path / "demos.jsonl"
-    assert write_jsonl(demos, path) == len(demos)
-    assert [asdict(d) for d in read_jsonl(path)] == [asdict(d) for d in demos]
+    assert write_demonstrations(demos, path) == len(demos)
+    assert [asdict(d) for d in read_demonstrations(path)] == [asdict(d) for d in demos]
     assert all(json.loads(line)["env"] == LEVEL for line in path.read_text().splitlines())
 
 
 def test_a_failed_write_leaves_the_previous_file_whole(demos, tmp_path) -> None:
     path = tmp_path / "demos.jsonl"
-    write_jsonl(demos[:2], path)
+    write_demonstrations(demos[:2], path)
     before = path.read_bytes()
 
     def broken():
@@ -55,7 +58,7 @@ def test_a_failed_write_leaves_the_previous_file_whole(demos, tmp_path) -> None:
         raise RuntimeError("killed mid-write")
 
     with pytest.raises(RuntimeError):
-        write_jsonl(broken(), path)
+        write_demonstrations(broken(), path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["demos.jsonl"]  # no temporary left
 
@@ -70,12 +73,20 @@ def test_record_refuses_segments_that_do_not_match_the_env() -> None:
 
 def test_bad_files_are_errors_naming_the_file_and_line(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        read_jsonl(tmp_path / "missing.jsonl")
+        read_demonstrations(tmp_path / "missing.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"env": "x"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:1"):
-        read_jsonl(bad)
+        read_demonstrations(bad)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(ValueError, match="no demonstrations"):
-        read_jsonl(empty)
+        read_demonstrations(empty)
+
+
+def test_every_env_family_has_an_expert_labelled_from_the_registry() -> None:
+    for prefix, fam in FAMILIES.items():
+        segments, source = expert_for(prefix + "Any-v0")
+        assert callable(segments) and source == fam.source
+    with pytest.raises(ValueError, match="no env family serves 'Atari-Pong-v0'"):
+        expert_for("Atari-Pong-v0")

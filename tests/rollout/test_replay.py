@@ -1,5 +1,6 @@
 """The replay buffer: staleness limits, counting what it drops, and checkpoint round trips."""
 
+import copy
 import random
 
 import pytest
@@ -73,12 +74,15 @@ def test_settings_reject_impossible_values_naming_the_key(key, value):
         ReplaySettings(**{key: value})
 
 
-def test_batches_with_non_finite_data_are_discarded_and_counted():
+def test_discarded_batches_leave_by_identity_and_are_counted():
     rng = random.Random(4)
     buf = ReplayBuffer(max_staleness=10)
     good, bad = batch(0, 2, rng), batch(1, 2, rng)
-    bad.trajectories[1].turns[-1].advantage = float("inf")
-    buf.add(good)
-    buf.add(bad)
-    assert buf.discard_nonfinite() == len(bad.turns())
-    assert buf.retained(1) == [good] and buf.dropped_turns == len(bad.turns())
+    twin = copy.deepcopy(bad)  # equal, but not the batch that failed
+    for b in (good, bad, twin):
+        buf.add(b)
+    assert buf.discard([bad]) == 1
+    kept = buf.retained(1)
+    assert len(kept) == 2 and kept[0] is good and kept[1] is twin
+    assert buf.dropped_turns == len(bad.turns())
+    assert buf.discard([bad]) == 0 and buf.dropped_turns == len(bad.turns())

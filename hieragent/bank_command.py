@@ -8,6 +8,9 @@
 (id, kind, text, source, created_step, uses, utility, merges), atomically. Search embeds
 the query with the bank's own frozen encoder, without the trained query adapter: it shows
 what the keys are near, not what the planner would pick.
+
+A command, so it sits beside ``cli.py``: it reads checkpoints (``lightning``), which
+``memory`` itself must not import.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from hieragent.io import write_jsonl
 from hieragent.memory.bank import MemoryBank
-from hieragent.rollout.demos import write_jsonl
 
 SORT_KEYS = {"utility": lambda e: -e["utility"], "uses": lambda e: -e["uses"],
              "created": lambda e: -e["created_step"], "id": lambda e: e["id"]}

@@ -1,10 +1,13 @@
 """``hieragent bank list|search|export`` on a checkpoint holding a real MiniLM/FAISS bank."""
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+import hieragent.memory
 from cli_helpers import run_cli
 from hieragent.memory.bank import MemoryBank
 
@@ -52,3 +55,11 @@ def test_a_checkpoint_without_a_bank_is_a_one_line_error(tmp_path):
     assert out.returncode == 2 and "holds no memory bank" in out.stderr and "Traceback" not in out.stderr
     missing = run_cli(["bank", "list", "--ckpt_path", str(tmp_path / "nope.ckpt")], tmp_path)
     assert missing.returncode == 2 and "nope.ckpt" in missing.stderr
+
+
+def test_memory_imports_no_stage_above_it():
+    for path in Path(hieragent.memory.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith(("hieragent.rollout", "hieragent.lightning")), \
+                    f"{path.name} imports {node.module}"

@@ -32,7 +32,7 @@ test: install
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
 
-# stale off-policy training with three objectives; prints a table (see hieragent/bench/objective.py)
+# stale off-policy training with three objectives over 3 seeds; prints mean ± std (see hieragent/bench/objective.py)
 bench-objective: install
 	$(BIN)/python -m hieragent.bench.objective
 
@@ -56,7 +56,7 @@ warmstart: demos
 expert-table: install
 	$(BIN)/python -m hieragent.envs.reference --seeds 20
 
-# the tiny RL run with no bank, a fixed bank, and a trained + evolving bank (2 seeds)
+# the tiny RL run with no bank, a fixed bank, a trained + evolving bank, and + contrastive (3 seeds)
 ablation-memory: install
 	$(BIN)/python -m hieragent.bench.memory_ablation
 

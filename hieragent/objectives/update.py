@@ -72,7 +72,7 @@ class ObjectiveSettings:
             No clip, no change.
         clip_norm_strength: ``strength`` above.
         aggregation: ``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``.
-        kl_coef: Weight of the KL to the reference policy (``model.reference``).
+        kl_coef: Weight of the KL to the reference policy (``model.kl_reference``).
         kl_estimator: ``k1``, ``k2`` or ``k3``. As a loss, k2's gradient is that of
             KL(pi||ref) and k3's that of KL(ref||pi); k1's averages to zero, so it is
             refused with ``kl_mode: loss`` (see ``losses``, equation (13)).

@@ -1,9 +1,9 @@
 """The planner and executor policies: LightningModules over one shared, adapter-switched LM.
 
-A policy turns prompt text into a ``Turn``: in ``score`` mode it samples from the
-softmax over candidate strings; in ``generate`` mode it samples free text. At training
-time it recomputes, under the current weights, the log-probabilities of exactly the token
-ids it recorded at rollout time.
+A policy is a role's configuration (adapter, action mode, temperature) and its training
+side: it recomputes, under the current weights, the log-probabilities of exactly the token
+ids recorded at rollout time. Acting goes through an engine (``hieragent.engines``), which
+builds the turns with ``engines.acting.act``; prompts are built in ``engines.prompting``.
 
 The shared LM is owned by the joint module (``hieragent.lightning.module``) and *bound*
 here without being registered, so its weights appear once in the checkpoint.
@@ -18,8 +18,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from hieragent.agents.prompts import EXECUTOR_SYSTEM, PLANNER_SYSTEM, system_text
-from hieragent.agents.scoring import candidate_logprobs, continuation_logprobs, left_pad, token_logprobs
+from hieragent.agents.scoring import candidate_logprobs, continuation_logprobs
 from hieragent.memory.adapter import QueryAdapter
 from hieragent.memory.retrieval import retrieval_logprob
 from hieragent.types import Role, Turn
@@ -40,7 +39,6 @@ class Policy(L.LightningModule):
     """
 
     role: Role = "executor"
-    system_prompt: str = ""  # a template of ``prompts``, with ``{world}`` to fill in
 
     def __init__(self, adapter: str, mode: Mode = "score", temperature: float = 1.0,
                  max_new_tokens: int = 12, score_reduction: str = "sum") -> None:
@@ -86,16 +84,6 @@ class Policy(L.LightningModule):
             yield
 
     # -- token ids ---------------------------------------------------------------------
-    def prompt_ids(self, text: str, world: str | None = None) -> list[int]:
-        """Chat-template ids of ``text`` under this role's system prompt for an env of
-        ``world`` (its family's ``TextEnv.world``; ``None``: BabyAI's grid world)."""
-        system = system_text(self.system_prompt, world)
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": text}]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-
     def candidate_ids(self, text: str) -> list[int]:
         """A candidate is scored as a complete reply: its tokens and the end-of-turn token."""
         if text not in self._candidate_cache:
@@ -106,62 +94,6 @@ class Policy(L.LightningModule):
     @property
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id
-
-    # -- acting ------------------------------------------------------------------------
-    @torch.no_grad()
-    def act(self, prompts: list[list[int]], options: list[list[str]], greedy: bool = False,
-            generator: torch.Generator | None = None, version: int = 0) -> list[Turn]:
-        """Choose one output per prompt; returns turns with behaviour log-probabilities."""
-        if not prompts:
-            return []
-        with self.active():
-            if self.mode == "score":
-                return self._act_score(prompts, options, greedy, generator, version)
-            return self._act_generate(prompts, greedy, version)
-
-    def _act_score(self, prompts, options, greedy, generator, version) -> list[Turn]:
-        if any(not opts for opts in options):
-            raise ValueError(f"{self.role}: score mode needs at least one candidate per prompt; "
-                             "the env offered none")
-        cand_ids = [[self.candidate_ids(o) for o in opts] for opts in options]
-        logps = candidate_logprobs(self.lm, prompts, cand_ids, self.pad_id, self.temperature,
-                                   self.score_reduction)
-        turns = []
-        for prompt, opts, cands, lp in zip(prompts, options, cand_ids, logps):
-            if greedy:
-                choice = int(lp.argmax())
-            else:
-                choice = int(torch.multinomial(lp.exp().cpu(), 1, generator=generator))
-            turns.append(Turn(role=self.role, prompt_ids=prompt, action_ids=cands[choice],
-                              old_logprobs=[float(lp[choice])], text=opts[choice],
-                              policy_version=version, candidate_ids=cands, chosen=choice))
-        return turns
-
-    def _act_generate(self, prompts, greedy, version) -> list[Turn]:
-        ids, mask = left_pad(prompts, self.pad_id, self.device_of_lm)
-        out = self.lm.generate(
-            input_ids=ids, attention_mask=mask, do_sample=not greedy,
-            **({} if greedy else {"temperature": self.temperature, "top_k": 0, "top_p": 1.0}),
-            max_new_tokens=self.max_new_tokens, output_logits=True,
-            return_dict_in_generate=True, pad_token_id=self.pad_id,
-            eos_token_id=self.tokenizer.eos_token_id,
-        )
-        new = out.sequences[:, ids.shape[1]:]  # [B, N]
-        tok_logp = token_logprobs(torch.stack(out.logits, 1), new, self.temperature)  # [B, N]
-        turns = []
-        for i, prompt in enumerate(prompts):
-            row = new[i].tolist()
-            end = row.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in row else len(row)
-            action = row[:end]
-            text = self.tokenizer.decode(action, skip_special_tokens=True).strip()
-            turns.append(Turn(role=self.role, prompt_ids=prompt, action_ids=action,
-                              old_logprobs=tok_logp[i, :end].tolist(), text=text,
-                              policy_version=version))
-        return turns
-
-    @property
-    def device_of_lm(self) -> torch.device:
-        return next(self.lm.parameters()).device
 
     # -- training ----------------------------------------------------------------------
     def turn_logprobs(self, turns: list[Turn]) -> list[Tensor]:
@@ -195,7 +127,6 @@ class Executor(Policy):
     """Turns a subgoal and the current view into a primitive action."""
 
     role: Role = "executor"
-    system_prompt = EXECUTOR_SYSTEM
 
     def __init__(self, adapter: str = "executor", mode: Mode = "score", temperature: float = 1.0,
                  max_new_tokens: int = 8, score_reduction: str = "sum") -> None:
@@ -213,7 +144,6 @@ class Planner(Policy):
     """
 
     role: Role = "planner"
-    system_prompt = PLANNER_SYSTEM
 
     def __init__(self, adapter: str = "planner", mode: Mode = "score", temperature: float = 1.0,
                  max_new_tokens: int = 12, score_reduction: str = "sum", embed_dim: int = 384) -> None:

@@ -12,9 +12,12 @@ continuations (right-padded) are run on top with explicit position ids.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers import DynamicCache
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -52,6 +55,65 @@ def token_logprobs(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Ten
     return logp.gather(-1, ids[..., None]).squeeze(-1)
 
 
+@dataclass
+class PromptPass:
+    """The prompts' forward: the logits after each prompt's last token, and its KV cache.
+
+    Attributes:
+        last_logits: ``[B, V]`` logits at each prompt's last position.
+        cache: The KV cache over ``mask``'s positions (a transformers ``Cache``).
+        mask: ``[B, W]`` 1 where the cache holds a prompt token, 0 for padding.
+        lengths: ``[B]`` prompt lengths (the position of the next token).
+    """
+
+    last_logits: Tensor
+    cache: object
+    mask: Tensor
+    lengths: Tensor
+
+
+def prompt_pass(model: torch.nn.Module, prompts: list[list[int]], pad_id: int,
+                prefixes: list[tuple[int, list[tuple[Tensor, Tensor]]] | None] | None = None) -> PromptPass:
+    """Run ``prompts`` (each non-empty) through ``model`` and keep the cache.
+
+    ``prefixes[i]``, if given, is ``(n, kv)``: the per-layer keys and values ``[H, n, D]`` of
+    prompt ``i``'s first ``n`` tokens, computed before under the same weights; only the rest
+    of the prompt is run. The batch cache is laid out ``[pad | prefix_i | pad | new_i]``, each
+    part left-padded, and positions count real tokens only, so a row's numbers do not depend
+    on its neighbours' lengths or on what was cached.
+    """
+    device = next(model.parameters()).device
+    done = [p[0] if p is not None else 0 for p in prefixes] if prefixes else [0] * len(prompts)
+    if any(n >= len(s) for n, s in zip(done, prompts)):
+        raise ValueError("a cached prefix must leave at least one prompt token to run")
+    ids, new_mask = left_pad([s[n:] for n, s in zip(done, prompts)], pad_id, device)  # [B, N]
+    lengths = torch.tensor([len(s) for s in prompts], dtype=torch.long, device=device)  # [B]
+    width = max(done)
+    cache = None
+    if width > 0:
+        layers = []
+        for layer in range(len(next(p for p in prefixes if p is not None)[1])):
+            ref_k, ref_v = next(p for p in prefixes if p is not None)[1][layer]
+            keys = ref_k.new_zeros((len(prompts), ref_k.shape[0], width, ref_k.shape[2]))  # [B, H, C, D]
+            values = ref_v.new_zeros((len(prompts), ref_v.shape[0], width, ref_v.shape[2]))
+            for i, p in enumerate(prefixes):
+                if p is not None and p[0] > 0:
+                    keys[i, :, width - p[0]:] = p[1][layer][0][:, : p[0]]
+                    values[i, :, width - p[0]:] = p[1][layer][1][:, : p[0]]
+            layers.append((keys, values))
+        cache = DynamicCache(ddp_cache_data=layers)
+    cached_mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)  # [B, C]
+    for i, n in enumerate(done):
+        if n:
+            cached_mask[i, width - n:] = 1
+    mask = torch.cat([cached_mask, new_mask], dim=1)  # [B, C + N]
+    start = torch.tensor(done, dtype=torch.long, device=device)[:, None]  # [B, 1]
+    positions = start + (new_mask.cumsum(-1) - 1).clamp(min=0)  # [B, N]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                use_cache=True, logits_to_keep=1)
+    return PromptPass(out.logits[:, -1], out.cache, mask, lengths)
+
+
 def continuation_logprobs(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -59,6 +121,7 @@ def continuation_logprobs(
     rows: list[int],
     pad_id: int,
     temperature: float = 1.0,
+    prompt: PromptPass | None = None,
 ) -> list[Tensor]:
     """Per-token log-probabilities of each continuation after its prompt.
 
@@ -69,34 +132,46 @@ def continuation_logprobs(
         rows: ``M`` indices into ``prompts``: the prompt each continuation follows.
         pad_id: Token id used for padding (never attended to).
         temperature: The sampling temperature of the continuations (``token_logprobs``).
+        prompt: The prompts' forward, if the caller ran it (the engine, with its prefix
+            cache); else it is run here. Its cache is consumed.
 
     Returns:
         ``M`` tensors; the j-th has ``len(continuations[j])`` float32 entries.
     """
     device = next(model.parameters()).device
-    ids, mask = left_pad(prompts, pad_id, device)  # [B, P]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                use_cache=True, logits_to_keep=1)
-    first_logits = out.logits[:, -1]  # [B, V]
-    cache = out.cache
+    if prompt is None:
+        prompt = prompt_pass(model, prompts, pad_id)
+    cache = prompt.cache
     row_idx = torch.tensor(rows, dtype=torch.long, device=device)  # [M]
     cache.reorder_cache(row_idx)
 
     cont_ids, cont_mask = right_pad(continuations, pad_id, device)  # [M, L]
-    prompt_len = mask.sum(-1)[row_idx]  # [M]
-    cont_pos = prompt_len[:, None] + torch.arange(cont_ids.shape[1], device=device)  # [M, L]
-    full_mask = torch.cat([mask[row_idx], cont_mask], dim=1)  # [M, P + L]
+    cont_pos = prompt.lengths[row_idx][:, None] + torch.arange(cont_ids.shape[1], device=device)  # [M, L]
+    full_mask = torch.cat([prompt.mask[row_idx], cont_mask], dim=1)  # [M, W + L]
     width = cont_ids.shape[1]
     # the last position predicts nothing we score: skip its vocabulary projection
     keep = torch.arange(max(width - 1, 1), device=device)
     out2 = model(input_ids=cont_ids, attention_mask=full_mask, position_ids=cont_pos,
                  cache=cache, use_cache=True, logits_to_keep=keep)
     # token 0 is predicted by the prompt's last position, token j by continuation j-1
-    tok0 = token_logprobs(first_logits[row_idx], cont_ids[:, 0], temperature)  # [M]
+    tok0 = token_logprobs(prompt.last_logits[row_idx], cont_ids[:, 0], temperature)  # [M]
     tok_rest = token_logprobs(out2.logits[:, : width - 1], cont_ids[:, 1:], temperature)  # [M, L-1]
     per_token = torch.cat([tok0[:, None], tok_rest], dim=1)  # [M, L]
     return [per_token[j, : len(c)] for j, c in enumerate(continuations)]
+
+
+def candidate_softmax(per_token: list[Tensor], counts: list[int], temperature: float = 1.0,
+                      reduction: str = "sum") -> list[Tensor]:
+    """Candidate scores (summed or mean token log-probs) -> log softmax(score / temperature),
+    per prompt; ``counts[i]`` of the flat ``per_token`` belong to prompt ``i``."""
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"score reduction must be 'sum' or 'mean', got {reduction!r}")
+    scores = torch.stack([t.sum() if reduction == "sum" else t.mean() for t in per_token])  # [M]
+    out, start = [], 0
+    for n in counts:
+        out.append(F.log_softmax(scores[start:start + n] / temperature, dim=-1))
+        start += n
+    return out
 
 
 def candidate_logprobs(
@@ -122,11 +197,4 @@ def candidate_logprobs(
     flat = [c for cands in candidates for c in cands]
     rows = [i for i, cands in enumerate(candidates) for _ in cands]
     per_token = continuation_logprobs(model, prompts, flat, rows, pad_id)
-    if reduction not in ("sum", "mean"):
-        raise ValueError(f"score reduction must be 'sum' or 'mean', got {reduction!r}")
-    scores = torch.stack([t.sum() if reduction == "sum" else t.mean() for t in per_token])  # [M]
-    out, start = [], 0
-    for cands in candidates:
-        out.append(F.log_softmax(scores[start:start + len(cands)] / temperature, dim=-1))
-        start += len(cands)
-    return out
+    return candidate_softmax(per_token, [len(c) for c in candidates], temperature, reduction)

@@ -1,7 +1,7 @@
-"""The off-policy side of a training step: lagged rollout weights, trainer log-probs, KL reward.
+"""The off-policy side of a training step: trainer log-probs and the KL reward.
 
-* ``AdapterSnapshots`` keeps the trainable weights of the last few training steps, so a
-  rollout can use the weights of ``rollout_lag`` steps ago, as an asynchronous actor would.
+(Lagged rollout weights are the engine's: ``engines.base.Engine.lagged``.)
+
 * ``record_trainer_logprobs`` recomputes the behaviour log-probs with the trainer's own
   forward at the rollout weights (for truncated IS: the engine's can differ).
 * ``subtract_kl_reward`` turns the KL to the reference into a per-turn reward penalty.
@@ -9,49 +9,11 @@
 
 from __future__ import annotations
 
-from collections import deque
-from contextlib import contextmanager
-from typing import Iterator
-
 import torch
-from torch import nn
 
 from hieragent.objectives.losses import KLEstimator, kl_penalty
 from hieragent.objectives.update import pad_rows
 from hieragent.types import Turn
-
-
-class AdapterSnapshots:
-    """Copies of the trainable parameters at recent policy versions (oldest first)."""
-
-    def __init__(self, lag: int) -> None:
-        self.lag = lag
-        self._snaps: deque[tuple[int, dict[str, torch.Tensor]]] = deque(maxlen=lag + 1)
-
-    def push(self, version: int, params: dict[str, nn.Parameter]) -> None:
-        if self.lag > 0:
-            self._snaps.append((version, {n: p.detach().clone() for n, p in params.items()}))
-
-    @contextmanager
-    def lagged(self, version: int, params: dict[str, nn.Parameter]) -> Iterator[int]:
-        """Run the body with the oldest kept weights swapped in; yields their version.
-
-        Early in a run fewer than ``lag`` steps exist, and the oldest available is used.
-        """
-        if self.lag == 0 or not self._snaps:
-            yield version
-            return
-        old_version, snap = self._snaps[0]
-        current = {n: p.detach().clone() for n, p in params.items()}
-        try:
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(snap[n])
-            yield old_version
-        finally:
-            with torch.no_grad():
-                for n, p in params.items():
-                    p.copy_(current[n])
 
 
 @torch.no_grad()

@@ -18,42 +18,44 @@ from __future__ import annotations
 import torch
 
 from hieragent.agents.prompts import executor_text, planner_text
+from hieragent.engines.prompting import Dialogue, retrieval_query, retrieve
 from hieragent.envs.base import env_class
 from hieragent.lightning.optim import guarded_step
-from hieragent.memory.retrieval import sample_retrievals
 from hieragent.types import Demonstration, Role, Turn
 
 
 def imitation_turns(module, demos: list[Demonstration]) -> dict[Role, list[Turn]]:
-    """The demonstrations' decisions as turns of the module's policies, by role."""
+    """The demonstrations' decisions as turns of the module's policies, by role, with the
+    rollout's prompts (``engines.prompting``, history included) and greedy retrieval."""
     out: dict[Role, list[Turn]] = {"planner": [], "executor": []}
-    planner, executor = module.planner, module.executor
+    planner, executor, prompter = module.planner, module.executor, module.prompter
+    skills: list[list[str]] = []
     if planner is not None:
-        steps = [(d, p) for d in demos for p in d.planner]
-        skills = _skills(module, [f"{d.mission}. {p.observation}" for d, p in steps])
-        for (d, p), shown_skills in zip(steps, skills):
-            options = p.candidates if planner.mode == "generate" else None
-            prompt = planner.prompt_ids(planner_text(d.mission, p.observation, shown_skills, options),
-                                        env_class(d.env).world)
-            out["planner"].append(_turn(planner, prompt, p.candidates, p.subgoal))
+        queries = [retrieval_query(d.mission, p.observation) for d in demos for p in d.planner]
+        picked = retrieve(module.bank, planner.query_adapter, queries, module.rollout_settings, greedy=True)
+        skills = [texts for texts, _ in picked]
+    shown = iter(skills)
     for d in demos:
+        world = env_class(d.env).world
+        if planner is not None:
+            dialogue = Dialogue()
+            for p in d.planner:
+                options = p.candidates if planner.mode == "generate" else None
+                prompt, user = prompter.prompt("planner", planner_text(d.mission, p.observation, next(shown),
+                                                                       options), world, dialogue)
+                turn = _turn(planner, prompt, p.candidates, p.subgoal)
+                prompter.remember(dialogue, user, turn.action_ids)
+                out["planner"].append(turn)
+        dialogue = Dialogue()
         for e in d.executor:
             subgoal = e.subgoal if planner is not None else d.mission
             options = e.candidates if executor.mode == "generate" else None
-            prompt = executor.prompt_ids(executor_text(subgoal, e.observation, options), env_class(d.env).world)
-            out["executor"].append(_turn(executor, prompt, e.candidates, e.action))
+            prompt, user = prompter.prompt("executor", executor_text(subgoal, e.observation, options),
+                                           world, dialogue)
+            turn = _turn(executor, prompt, e.candidates, e.action)
+            prompter.remember(dialogue, user, turn.action_ids)
+            out["executor"].append(turn)
     return out
-
-
-def _skills(module, queries: list[str]) -> list[list[str]]:
-    """Skills the planner prompt shows, as in rollout but greedy (plain top-k)."""
-    bank, settings = module.bank, module.rollout_settings
-    if bank is None or len(bank) == 0 or not queries:
-        return [[] for _ in queries]
-    picked = sample_retrievals(bank, module.planner.query_adapter, queries,
-                               n=settings.retrieval_candidates, k=settings.retrieval_k,
-                               temperature=settings.retrieval_temperature, greedy=True)
-    return [texts for texts, _ in picked]
 
 
 def _turn(policy, prompt: list[int], candidates: list[str], target: str) -> Turn:
@@ -100,4 +102,6 @@ def imitation_step(module, demos: list[Demonstration]) -> dict[str, float]:
                         skip=None if finite else "non-finite imitation loss")
     stats["train/skipped_step"] = float(step.skipped is not None)
     stats["train/grad_norm"] = step.grad_norm
+    if step.skipped is None:
+        module.sync_engine()
     return stats

@@ -6,22 +6,22 @@ turn of either policy is recorded with its prompt ids, output ids, behaviour
 log-probabilities and reward. With ``hierarchical=False`` (the flat baseline) there is no
 planner: the executor's subgoal is the mission and the episode is one segment.
 
-Each loop iteration makes one batched call per policy over every env that needs it.
+Each loop iteration makes one batched engine call per policy over every env that needs
+it. Prompts and retrievals come from ``engines.prompting``, turns from ``engines.acting``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from hieragent.agents.policy import Executor, Planner
 from hieragent.agents.prompts import executor_text, planner_text
+from hieragent.engines.acting import Agent, act
+from hieragent.engines.prompting import Dialogue, retrieval_query, retrieve
 from hieragent.envs.guards import ended_by_loop
 from hieragent.envs.pool import EnvPool
-from hieragent.memory.bank import MemoryBank
-from hieragent.memory.retrieval import sample_retrievals
 from hieragent.types import Trajectory, Turn
 
 
@@ -38,6 +38,8 @@ class RolloutSettings:
         retrieval_temperature: Softmax temperature over adapted similarities.
         learn_retrieval: Sample the retrieval and train the query adapter with the
             planner's RL signal; ``False`` is a plain top-k.
+        history: Each role's last ``history`` turns of the episode in its prompt, as chat
+            turns (0: the current view only). The engine carries their KV cache over.
     """
 
     hierarchical: bool = True
@@ -47,6 +49,11 @@ class RolloutSettings:
     retrieval_k: int = 2
     retrieval_temperature: float = 0.1
     learn_retrieval: bool = True
+    history: int = 0
+
+    def __post_init__(self) -> None:
+        if self.history < 0:
+            raise ValueError(f"rollout.history must be >= 0, got {self.history}")
 
 
 @dataclass
@@ -60,18 +67,16 @@ class _EnvState:
     plan_turn: Turn | None = None
     planner_feedback: str = ""
     executor_feedback: str = ""
+    dialogues: dict = field(default_factory=lambda: {"planner": Dialogue(), "executor": Dialogue()})
 
 
 def collect(
     pool: EnvPool,
     seeds: list[int],
     groups: list[int],
-    executor: Executor,
-    planner: Planner | None,
-    bank: MemoryBank | None,
+    agent: Agent,
     settings: RolloutSettings,
     greedy: bool = False,
-    version: int = 0,
     generator: torch.Generator | None = None,
     on_step: Callable[[int], None] | None = None,
 ) -> list[Trajectory]:
@@ -79,12 +84,13 @@ def collect(
 
     Episodes whose env failed (raised, or its worker hung or died: ``pool.failed``) are
     dropped from the result, so a batch can hold fewer trajectories than envs; the pool
-    counts them in ``pool.dropped_episodes``.
+    counts them in ``pool.dropped_episodes``. Every turn records the version
+    ``agent.engine`` served.
     """
     if len(seeds) != len(pool) or len(groups) != len(pool):
         raise ValueError(f"collect needs one seed and group per env: {len(pool)} envs, "
                          f"{len(seeds)} seeds, {len(groups)} groups")
-    hierarchical = settings.hierarchical and planner is not None
+    hierarchical = settings.hierarchical and agent.planner is not None
     observations = pool.reset(seeds)
     states = [
         _EnvState(Trajectory(group=g, seed=s, mission=o.mission), o, subgoal=o.mission,
@@ -92,19 +98,28 @@ def collect(
         for s, g, o in zip(seeds, groups, observations)
     ]
     active = [i for i in range(len(pool)) if i not in pool.failed]
-    while active:
-        if hierarchical:
-            _planner_turns(pool, states, [i for i in active if states[i].needs_plan], planner,
-                           bank, settings, greedy, version, generator)
-        _executor_turns(pool, states, active, executor, settings, hierarchical, greedy, version,
-                        generator)
-        active = [i for i in active if not states[i].trajectory.turns[-1].done and i not in pool.failed]
-        if on_step is not None:
-            on_step(len(pool) - len(active))
+    try:
+        while active:
+            if hierarchical:
+                _planner_turns(pool, states, [i for i in active if states[i].needs_plan], agent,
+                               settings, greedy, generator)
+            _executor_turns(pool, states, active, agent, settings, hierarchical, greedy, generator)
+            ended = [i for i in active if states[i].trajectory.turns[-1].done or i in pool.failed]
+            agent.engine.end_episodes([_episode(states[i]) for i in ended])
+            active = [i for i in active if i not in ended]
+            if on_step is not None:
+                on_step(len(pool) - len(active))
+    finally:
+        agent.engine.end_episodes([_episode(s) for s in states])
     return [s.trajectory for i, s in enumerate(states) if i not in pool.failed]
 
 
-def _planner_turns(pool, states, idx, planner, bank, settings, greedy, version, generator) -> None:
+def _episode(state: _EnvState) -> tuple[int, int]:
+    return (id(state), state.trajectory.seed)  # unique while the state lives
+
+
+def _planner_turns(pool, states, idx, agent, settings, greedy, generator) -> None:
+    planner = agent.planner
     if planner.mode == "score":
         # nothing to choose from (e.g. a TextWorld room with no subgoal yet): no planner
         # turn; the executor works from the mission until the planner is asked again
@@ -117,26 +132,14 @@ def _planner_turns(pool, states, idx, planner, bank, settings, greedy, version, 
         idx = [i for i in idx if states[i].observation.subgoals]
     if not idx:
         return
-    skills: list[list[str]] = [[] for _ in idx]
-    retrievals: list = [None] * len(idx)
-    if bank is not None and len(bank) > 0:
-        queries = [f"{states[i].observation.mission}. {states[i].observation.text}" for i in idx]
-        picked = sample_retrievals(
-            bank, planner.query_adapter, queries, n=settings.retrieval_candidates,
-            k=settings.retrieval_k, temperature=settings.retrieval_temperature,
-            generator=generator, greedy=greedy or not settings.learn_retrieval,
-        )
-        for j, (texts, retrieval) in enumerate(picked):
-            skills[j] = texts
-            retrievals[j] = retrieval if settings.learn_retrieval else None
+    queries = [retrieval_query(states[i].observation.mission, states[i].observation.text) for i in idx]
+    picked = retrieve(agent.bank, planner.query_adapter, queries, settings, greedy, generator)
     options = [states[i].observation.subgoals for i in idx]
     show = options if planner.mode == "generate" else [None] * len(idx)
-    prompts = [
-        planner.prompt_ids(planner_text(states[i].observation.mission, states[i].observation.text,
-                                        skills[j], show[j], states[i].planner_feedback), pool.world(i))
-        for j, i in enumerate(idx)
-    ]
-    turns = planner.act(prompts, options, greedy, generator, version)
+    turns = _act(agent, planner, pool, states, idx, options, [
+        planner_text(states[i].observation.mission, states[i].observation.text, picked[j][0], show[j],
+                     states[i].planner_feedback) for j, i in enumerate(idx)], greedy, generator)
+    retrievals = [r for _, r in picked]
     feedback = pool.set_subgoals({i: t.text for i, t in zip(idx, turns)})
     for j, (i, turn) in enumerate(zip(idx, turns)):
         state = states[i]
@@ -155,16 +158,25 @@ def _planner_turns(pool, states, idx, planner, bank, settings, greedy, version, 
             turn.reward -= pool.invalid_penalty(i)
 
 
-def _executor_turns(pool, states, idx, executor, settings, hierarchical, greedy, version,
-                    generator) -> None:
+def _act(agent, policy, pool, states, idx, options, texts, greedy, generator) -> list[Turn]:
+    """Prompts (with each episode's dialogue of this role), the engine's turns, and the
+    dialogues extended by them."""
+    built = [agent.prompter.prompt(policy.role, text, pool.world(i), states[i].dialogues[policy.role])
+             for text, i in zip(texts, idx)]
+    turns = act(agent.engine, policy, [p for p, _ in built], options,
+                [_episode(states[i]) for i in idx], greedy, generator)
+    for (_, user), i, turn in zip(built, idx, turns):
+        agent.prompter.remember(states[i].dialogues[policy.role], user, turn.action_ids)
+    return turns
+
+
+def _executor_turns(pool, states, idx, agent, settings, hierarchical, greedy, generator) -> None:
+    executor = agent.executor
     options = [states[i].observation.actions for i in idx]
     show = options if executor.mode == "generate" else [None] * len(idx)
-    prompts = [
-        executor.prompt_ids(executor_text(states[i].subgoal, states[i].observation.text, show[j],
-                                          states[i].executor_feedback), pool.world(i))
-        for j, i in enumerate(idx)
-    ]
-    turns = executor.act(prompts, options, greedy, generator, version)
+    turns = _act(agent, executor, pool, states, idx, options, [
+        executor_text(states[i].subgoal, states[i].observation.text, show[j], states[i].executor_feedback)
+        for j, i in enumerate(idx)], greedy, generator)
     results = pool.step({i: t.text for i, t in zip(idx, turns)})
     for i, turn in zip(idx, turns):
         state, result = states[i], results[i]

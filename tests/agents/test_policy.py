@@ -5,15 +5,16 @@ import torch
 
 from hieragent.agents.policy import Executor, Planner
 from hieragent.agents.scoring import token_logprobs
+from acting_helpers import act_on, prompt_ids
 
 
 def test_score_mode_ratio_is_one_at_the_rollout_weights(tiny_lm, tokenizer):
     ex = Executor(mode="score")
     ex.bind(tiny_lm, tokenizer)
-    prompts = [ex.prompt_ids("Subgoal: go to the red ball\nYou see a red ball 2 steps forward."),
-               ex.prompt_ids("Subgoal: explore\nYou see a wall 1 step left.")]
+    prompts = [prompt_ids(ex, "Subgoal: go to the red ball\nYou see a red ball 2 steps forward."),
+               prompt_ids(ex, "Subgoal: explore\nYou see a wall 1 step left.")]
     opts = [["turn left", "turn right", "go forward"], ["go forward", "toggle"]]
-    turns = ex.act(prompts, opts, generator=torch.Generator().manual_seed(0))
+    turns = act_on(ex, prompts, opts, generator=torch.Generator().manual_seed(0))
     new = ex.turn_logprobs(turns)
     for t, o, lp in zip(turns, opts, new):
         assert t.text == o[t.chosen]
@@ -27,9 +28,9 @@ def test_adapters_are_distinct_policies_and_reference_disables_them(tiny_lm, tok
     planner, executor = Planner(), Executor()
     for p in (planner, executor):
         p.bind(tiny_lm, tokenizer)
-    prompt = [executor.prompt_ids("Subgoal: go to the red ball")]
+    prompt = [prompt_ids(executor, "Subgoal: go to the red ball")]
     opts = [["turn left", "go forward", "pick up"]]
-    turns = executor.act(prompt, opts, greedy=True)
+    turns = act_on(executor, prompt, opts, greedy=True)
     as_executor = executor.turn_logprobs(turns)[0]
     with planner.active():
         as_planner = executor._recorded_logprobs(turns)[0]
@@ -42,8 +43,8 @@ def test_generate_mode_carries_sampled_ids_and_their_logprobs(tiny_lm, tokenizer
     torch.manual_seed(0)
     ex = Executor(mode="generate", max_new_tokens=5)
     ex.bind(tiny_lm, tokenizer)
-    prompts = [ex.prompt_ids("Subgoal: go to the red ball"), ex.prompt_ids("Subgoal: explore the room now")]
-    turns = ex.act(prompts, [[], []])
+    prompts = [prompt_ids(ex, "Subgoal: go to the red ball"), prompt_ids(ex, "Subgoal: explore the room now")]
+    turns = act_on(ex, prompts, [[], []])
     new = ex.turn_logprobs(turns)
     for t, lp in zip(turns, new):
         assert 1 <= len(t.action_ids) <= 5
@@ -57,8 +58,8 @@ def test_generate_mode_behaviour_and_training_logprobs_agree_at_any_temperature(
     torch.manual_seed(1)
     ex = Executor(mode="generate", max_new_tokens=6, temperature=temperature)
     ex.bind(tiny_lm, tokenizer)
-    prompts = [ex.prompt_ids("Subgoal: go to the red ball"), ex.prompt_ids("Subgoal: open the door")]
-    turns = ex.act(prompts, [[], []])
+    prompts = [prompt_ids(ex, "Subgoal: go to the red ball"), prompt_ids(ex, "Subgoal: open the door")]
+    turns = act_on(ex, prompts, [[], []])
     new = ex.turn_logprobs(turns)
     for t, lp in zip(turns, new):
         torch.testing.assert_close(lp, torch.tensor(t.old_logprobs), rtol=1e-4, atol=1e-4)

@@ -3,8 +3,8 @@ on, and every other family names its own world."""
 
 import pytest
 
-from hieragent.agents.policy import Executor, Planner
 from hieragent.agents.prompts import DEFAULT_WORLD, EXECUTOR_SYSTEM, PLANNER_SYSTEM, system_text
+from hieragent.engines.prompting import Prompter
 from hieragent.envs.base import FAMILIES, load
 
 # the system prompts before they were made per family, byte for byte
@@ -26,14 +26,13 @@ def test_other_families_are_not_called_a_grid_world() -> None:
         assert world in text and "grid world" not in text
 
 
-@pytest.mark.parametrize("cls", [Planner, Executor])
-def test_prompt_ids_put_the_world_in_the_system_turn(cls, tokenizer) -> None:
-    policy = cls()
-    policy.bind(None, tokenizer)
-    old = BABYAI_PLANNER if cls is Planner else BABYAI_EXECUTOR
+@pytest.mark.parametrize("role", ["planner", "executor"])
+def test_prompt_ids_put_the_world_in_the_system_turn(role, tokenizer) -> None:
+    prompter = Prompter(tokenizer)
+    old = BABYAI_PLANNER if role == "planner" else BABYAI_EXECUTOR
     chat = [{"role": "system", "content": old}, {"role": "user", "content": "Mission: x"}]
     expected = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
     expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
-    assert policy.prompt_ids("Mission: x") == expected  # default: BabyAI, unchanged
-    adventure = tokenizer.decode(policy.prompt_ids("Mission: x", world="a text adventure"))
+    assert prompter.prompt(role, "Mission: x")[0] == expected  # default: BabyAI, unchanged
+    adventure = tokenizer.decode(prompter.prompt(role, "Mission: x", world="a text adventure")[0])
     assert "agent in a text adventure." in adventure and "grid world" not in adventure

@@ -9,7 +9,6 @@ from lightning.pytorch.loggers import CSVLogger
 
 from hieragent.lightning.datamodule import RolloutDataModule
 from hieragent.lightning.module import HierAgentModule
-from hieragent.lightning.offpolicy import AdapterSnapshots
 from hieragent.memory.settings import MemorySettings
 from hieragent.models.lora import LoraSettings
 from hieragent.objectives.advantages import AdvantageSettings
@@ -42,11 +41,25 @@ def column(rows, key):
     return [float(r[key]) for r in rows if r.get(key) not in (None, "")]
 
 
+class Recorded(HierAgentModule):
+    """The real module, noting the step each training batch was collected at and the
+    versions its turns record."""
+
+    def collect_train(self, pool, seeds, groups):
+        batch = super().collect_train(pool, seeds, groups)
+        self.__dict__.setdefault("served", []).append(
+            (self.global_step, batch.policy_version, {t.policy_version for t in batch.turns()}))
+        return batch
+
+
 def test_lagged_rollouts_are_stale_off_policy_and_get_clipped(tmp_path):
-    module = tiny_module(replay=ReplaySettings(updates_per_batch=2, rollout_lag=1, max_staleness=2),
+    module = tiny_module(Recorded, replay=ReplaySettings(updates_per_batch=2, rollout_lag=1, max_staleness=2),
                          objective=ObjectiveSettings(kl_coef=0.0, eps_low=0.02, eps_high=0.02))
     trainer, rows = fit(module, tmp_path, steps=6)
     assert trainer.global_step == 6
+    # the engine serves the weights one training step (two optimizer steps) behind
+    assert module.served == [(0, 0, {0}), (2, 0, {0}), (4, 2, {2})]
+    assert module.engine.versions == [4, 5, 6]
     stale = column(rows, "executor/staleness_max")
     # rollouts one training step (two updates) behind arrive 2 stale, 3 at their second update
     assert stale[:2] == [0, 1] and stale[2:] == [2, 3, 2, 3]
@@ -54,18 +67,6 @@ def test_lagged_rollouts_are_stale_off_policy_and_get_clipped(tmp_path):
     # a batch is kept while at most 2 stale when a step starts: b0 and b1 meet at step 2, then go
     assert column(rows, "replay/batches") == [1.0, 2.0, 1.0]
     assert column(rows, "replay/dropped_turns")[-1] > 0
-
-
-def test_snapshots_swap_old_weights_in_and_restore_the_current_ones():
-    p = {"w": torch.nn.Parameter(torch.tensor([1.0, 2.0]))}
-    snaps = AdapterSnapshots(lag=1)
-    snaps.push(0, p)
-    with torch.no_grad():
-        p["w"].add_(10.0)
-    snaps.push(1, p)
-    with snaps.lagged(2, p) as version:
-        assert version == 0 and p["w"].tolist() == [1.0, 2.0]
-    assert p["w"].tolist() == [11.0, 12.0]
 
 
 class PoisonedAt(HierAgentModule):

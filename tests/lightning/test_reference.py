@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from acting_helpers import act_on, prompt_ids
 from hieragent.lightning.module import HierAgentModule
 from hieragent.memory.settings import MemorySettings
 from hieragent.models.lora import LoraSettings
@@ -32,9 +33,9 @@ def warm_checkpoint(tmp_path):
 
 
 def turns_of(policy, texts):
-    prompts = [policy.prompt_ids(t) for t in texts]
-    return policy.act(prompts, [["turn left", "go forward", "pick up"]] * len(texts),
-                      generator=torch.Generator().manual_seed(1))
+    prompts = [prompt_ids(policy, t) for t in texts]
+    return act_on(policy, prompts, [["turn left", "go forward", "pick up"]] * len(texts),
+                  generator=torch.Generator().manual_seed(1))
 
 
 def test_after_init_from_the_reference_is_the_warm_start_policy_and_stays_fixed(warm_checkpoint):

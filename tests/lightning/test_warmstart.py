@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from acting_helpers import prompt_ids
 from cli_helpers import run_cli
 from hieragent.agents.policy import Executor, Planner
 from hieragent.lightning.warmstart import _turn
@@ -39,7 +40,7 @@ def test_score_mode_imitation_nll_matches_a_direct_float64_computation(tiny_lm, 
     g = torch.Generator().manual_seed(1)
     words = ["turn left", "turn right", "go forward", "pick up", "drop", "toggle"]
     for trial in range(4):
-        prompt = policy.prompt_ids(f"Subgoal: trial {trial}\nYou see {torch.rand(1, generator=g).item():.3f}.")
+        prompt = prompt_ids(policy, f"Subgoal: trial {trial}\nYou see {torch.rand(1, generator=g).item():.3f}.")
         cands = [words[i] for i in torch.randperm(6, generator=g)[: 2 + trial].tolist()]
         target = cands[int(torch.randint(len(cands), (1,), generator=g))]
         turn = _turn(policy, prompt, cands, target)
@@ -51,7 +52,7 @@ def test_score_mode_imitation_nll_matches_a_direct_float64_computation(tiny_lm, 
 def test_an_expert_subgoal_missing_from_the_candidates_is_appended(tiny_lm, tokenizer):
     planner = Planner(mode="score")
     planner.bind(tiny_lm, tokenizer)
-    turn = _turn(planner, planner.prompt_ids("Mission: x"), ["explore", "go to the red ball"], "open the red door")
+    turn = _turn(planner, prompt_ids(planner, "Mission: x"), ["explore", "go to the red ball"], "open the red door")
     assert len(turn.candidate_ids) == 3 and turn.chosen == 2
     assert turn.action_ids == planner.candidate_ids("open the red door")
 
@@ -59,7 +60,7 @@ def test_an_expert_subgoal_missing_from_the_candidates_is_appended(tiny_lm, toke
 def test_generate_mode_turn_is_the_expert_tokens_and_end_of_turn(tiny_lm, tokenizer):
     policy = Executor(mode="generate")
     policy.bind(tiny_lm, tokenizer)
-    turn = _turn(policy, policy.prompt_ids("Subgoal: x"), ["go forward"], "go forward")
+    turn = _turn(policy, prompt_ids(policy, "Subgoal: x"), ["go forward"], "go forward")
     assert turn.action_ids == tokenizer.encode("go forward", add_special_tokens=False) + [tokenizer.eos_token_id]
     assert len(turn.old_logprobs) == len(turn.action_ids) and turn.chosen == -1
 

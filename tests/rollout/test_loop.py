@@ -1,5 +1,6 @@
 """The rollout loop prompts each policy with the world of the env it plays."""
 
+from acting_helpers import agent_for
 from hieragent.agents.policy import Executor, Planner
 from hieragent.envs import BabyAITextEnv, EnvPool, make_env
 from hieragent.rollout.loop import RolloutSettings, collect
@@ -10,7 +11,7 @@ def test_each_env_is_prompted_as_its_own_world(tiny_lm, tokenizer) -> None:
     planner.bind(tiny_lm, tokenizer), executor.bind(tiny_lm, tokenizer)
     pool = EnvPool([BabyAITextEnv("BabyAI-GoToRedBallNoDists-v0", max_steps=2),
                     make_env("FrozenLake-4x4-v0", max_steps=2)])
-    babyai, lake = collect(pool, [1, 2], [1, 2], executor, planner, None,
+    babyai, lake = collect(pool, [1, 2], [1, 2], agent_for(executor, planner),
                            RolloutSettings(max_subgoal_steps=1), greedy=True)
     for trajectory, world, other in ((babyai, "a grid world", "frozen lake"),
                                      (lake, "a frozen lake grid", "grid world.")):

@@ -3,6 +3,7 @@
 import pytest
 
 from envs.flaky_envs import FlakyEnv  # tests/ is on the path (pyproject)
+from acting_helpers import agent_for
 from hieragent.agents.policy import Executor
 from hieragent.envs.pool import EnvPool
 from hieragent.rollout.loop import RolloutSettings, collect
@@ -18,7 +19,7 @@ def executor(tiny_lm, tokenizer):
 
 
 def play(pool, executor, seeds):
-    return collect(pool, seeds, seeds, executor, None, None, RolloutSettings(hierarchical=False),
+    return collect(pool, seeds, seeds, agent_for(executor), RolloutSettings(hierarchical=False),
                    greedy=True)
 
 
@@ -60,7 +61,7 @@ def test_a_planner_with_no_candidates_hands_the_mission_to_the_executor(tiny_lm,
     planner, executor = Planner(mode="score"), Executor(mode="score")
     planner.bind(tiny_lm, tokenizer), executor.bind(tiny_lm, tokenizer)
     pool = EnvPool([NoSubgoals(LEVEL, max_steps=5), FlakyEnv(LEVEL, max_steps=5)])
-    trajectories = collect(pool, [1, 2], [1, 2], executor, planner, None,
+    trajectories = collect(pool, [1, 2], [1, 2], agent_for(executor, planner),
                            RolloutSettings(max_subgoal_steps=2), greedy=True)
     bare, planned = trajectories
     assert not bare.of("planner") and bare.length >= 1  # played on without a planner turn

@@ -7,7 +7,7 @@ CONFIG ?= configs/babyai_hier.yaml
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hieragent-installed
 
-.PHONY: install train train-flat test test-slow bench-objective bench-memory textworld-games demos warmstart expert-table ablation-memory clean
+.PHONY: install train train-flat test test-slow bench-objective bench-memory bench-rollout device-check textworld-games demos warmstart expert-table ablation-memory clean
 
 install: $(STAMP)
 
@@ -39,6 +39,19 @@ bench-objective: install
 # exact vs IVF/HNSW search at 10k-1M bank keys; prints a table (see hieragent/bench/memory.py)
 bench-memory: install
 	$(BIN)/python -m hieragent.bench.memory
+
+# the HF engine on GoToLocal, 8 and 32 envs, score/generate, with and without history, against
+# naive acting and the machine's matmul peak measured in the same run (see hieragent/bench/rollout.py)
+bench-rollout: install
+	$(BIN)/python -m hieragent.bench.rollout --out lightning_logs/bench_rollout.json
+
+# on a CUDA GPU only: installs the vllm extra (a CUDA torch), then vLLM vs HF log-prob gaps per
+# adapter, the adapter reload, turns/s (see hieragent/bench/device_check.py); without a GPU it
+# stops at once with one line
+device-check: install
+	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'device-check needs a CUDA GPU; this machine has none')"
+	$(BIN)/python -m pip install --quiet -e ".[vllm]"
+	$(BIN)/python -m hieragent.bench.device_check
 
 # TextWorld games of every level, default train and held-out seeds, into the hieragent cache
 textworld-games: install

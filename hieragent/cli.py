@@ -20,8 +20,10 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities import rank_zero_only
 
 from hieragent.models.loading import set_offline
+from hieragent.precision import resolve_precision
 
 
 class HierAgentCLI(LightningCLI):
@@ -47,6 +49,23 @@ class HierAgentCLI(LightningCLI):
         for key, (now, then) in sorted(setting_differences(given, saved).items()):
             sys.stderr.write(f"resuming with model.{key}={now!r}; the checkpoint was trained with {then!r}\n")
         self.config[sub]["model"] = given
+
+    def before_instantiate_classes(self) -> None:
+        """A ``trainer.precision`` left unset (None) becomes the one that fits the machine.
+
+        bf16 is fast on some of our machines and hundreds of times slower on others, so no
+        fixed default suits all. The choice lands in the config, and so in the run's saved
+        ``config.yaml``. ``--print_config`` still shows null: it prints during parsing.
+        """
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        trainer = config.get("trainer")
+        if trainer is None or trainer.get("precision") is not None:
+            return
+        precision, reason = resolve_precision(trainer.get("accelerator", "auto"))
+        trainer.precision = precision
+        if rank_zero_only.rank == 0:  # DDP ranks each run this CLI; one line is enough
+            sys.stderr.write(f"hieragent: precision {precision} ({reason}); "
+                             "set trainer.precision to override\n")
 
     def instantiate_trainer(self, **kwargs: Any):
         from hieragent.lightning.callbacks import AtomicCheckpointIO

@@ -129,6 +129,11 @@ class Engine:
         return self.latest_version if self._served is None else self._served
 
     @property
+    def serving_lagged(self) -> bool:
+        """Inside ``lagged()``: the live weights hold the served (lagged) version."""
+        return self._served is not None
+
+    @property
     def versions(self) -> list[int]:
         """The versions kept, oldest first."""
         return [v for v, _ in self._versions]

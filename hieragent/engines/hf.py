@@ -36,10 +36,12 @@ class _Entry:
 
 @dataclass
 class CacheStats:
-    """Tokens a call ran (``computed``) and took from the cache (``reused``), summed."""
+    """Tokens the engine ran (``computed``) and took from the cache (``reused``), and the
+    rows of logits it projected onto the vocabulary and used (``logit_rows``), summed."""
 
     computed: int = 0
     reused: int = 0
+    logit_rows: int = 0
     calls: int = 0
 
 
@@ -127,6 +129,7 @@ class HFEngine(Engine):
         self.stats.reused += reused
         self.stats.computed += sum(len(r.prompt_ids) for r in requests) - reused
         self.stats.calls += 1
+        self.stats.logit_rows += len(requests)
         self._store(adapter, requests, run)
         return run
 
@@ -152,6 +155,7 @@ class HFEngine(Engine):
             flat = [c for cands in continuations for c in cands]
             rows = [i for i, cands in enumerate(continuations) for _ in cands]
             self.stats.computed += sum(len(c) for c in flat)
+            self.stats.logit_rows += sum(len(c) - 1 for c in flat)
             per_token = continuation_logprobs(self.lm, [r.prompt_ids for r in requests], flat, rows,
                                               self.pad_id, prompt=run)
         out, start = [], 0
@@ -188,10 +192,12 @@ class HFEngine(Engine):
                 done = done | (token == self.eos_id)
                 if bool(done.all()) or step == sampling.max_new_tokens - 1:
                     break
+                active = rows - int(done.sum())
+                self.stats.computed += active
+                self.stats.logit_rows += active
                 mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], 1)
                 out = self.lm(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
                               cache=cache, use_cache=True)
-                self.stats.computed += rows
                 logits, cache, position = out.logits[:, -1], out.cache, position + 1
         ids = torch.stack(tokens, 1).tolist()  # [B, T]
         lps = torch.stack(logps, 1).float().cpu()  # [B, T]

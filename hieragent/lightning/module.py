@@ -22,8 +22,10 @@ The ``__init__`` signature is the config: LightningCLI turns it into YAML and ``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,13 +35,18 @@ import torch
 from torchmetrics import MeanMetric, MetricCollection
 
 from hieragent.agents.policy import Executor, Mode, Planner
+from hieragent.engines.acting import Agent
+from hieragent.engines.base import Engine, EngineSettings
+from hieragent.engines.hf import HFEngine
+from hieragent.engines.prompting import Prompter
+from hieragent.precision import autocast_dtype
 from hieragent.memory.bank import MemoryBank
 from hieragent.memory.evolution import BankEvolution, append_changes
 from hieragent.memory.retrieval import contrastive_loss
 from hieragent.memory.settings import MemorySettings
 from hieragent.models.loading import load_causal_lm, load_tokenizer
 from hieragent.models.lora import LoraSettings, add_adapters, add_reference_adapters, adapter_parameters
-from hieragent.lightning.offpolicy import AdapterSnapshots, record_trainer_logprobs, subtract_kl_reward
+from hieragent.lightning.offpolicy import record_trainer_logprobs, subtract_kl_reward
 from hieragent.objectives.advantages import AdvantageSettings, assign_advantages
 from hieragent.objectives.losses import clip_normalization_scale
 from hieragent.objectives.update import (ObjectiveSettings, retrieval_loss, role_loss, role_turns,
@@ -67,6 +74,11 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         model: Base causal LM: ``smollm2`` (offline package), ``tiny`` (random, for
             tests), a local path, or a Hugging Face id already in the local cache.
         model_seed: Initialisation seed of the ``tiny`` preset.
+        engine: The acting engine: ``hf`` (transformers on the trainer's own LM, CPU or
+            GPU; prefix and history KV cache) or ``vllm`` (a colocated vLLM engine on a CUDA
+            GPU with both LoRA adapters; the extra ``hieragent[vllm]``). Rollouts and
+            evaluation act through it; the trainer syncs it after every optimizer step.
+        engine_settings: The engine's settings (cache, vLLM memory and sleep).
         lora: LoRA hyper-parameters, shared by both adapters.
         planner_mode: ``score`` (softmax over grounded subgoals) or ``generate``.
         executor_mode: ``score`` (softmax over primitive actions) or ``generate``.
@@ -96,6 +108,8 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         self,
         model: str = "smollm2",
         model_seed: int = 0,
+        engine: Literal["hf", "vllm"] = "hf",
+        engine_settings: EngineSettings = EngineSettings(),
         lora: LoraSettings = LoraSettings(),
         planner_mode: Mode = "score",
         executor_mode: Mode = "score",
@@ -115,6 +129,13 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         kl_reference: Literal["init", "base"] = "init",
     ) -> None:
         super().__init__()
+        if engine not in ("hf", "vllm"):
+            raise ValueError(f"model.engine must be 'hf' or 'vllm', got {engine!r}")
+        if engine == "vllm":  # before anything is loaded or written: no GPU, one line
+            from hieragent.engines.vllm import require_vllm
+            require_vllm()
+            if objective.tis_cap is None:  # the engine's log-probs differ from the trainer's
+                objective = dataclasses.replace(objective, tis_cap=engine_settings.tis_cap)
         self.save_hyperparameters()
         self.automatic_optimization = False
         # checkpoints hold the adapters only, not the frozen base model
@@ -122,7 +143,6 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         self.rollout_settings, self.objective, self.memory_settings = rollout, objective, memory
         self.advantage, self.replay_settings = advantage, replay
         self.replay = ReplayBuffer(replay.max_staleness, replay.max_batches)
-        self.snapshots = AdapterSnapshots(replay.rollout_lag)
         self.hierarchical = rollout.hierarchical
 
         roles = ["planner", "executor"] if self.hierarchical else ["executor"]
@@ -143,6 +163,9 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
             if memory.seed_file:
                 self.bank.seed_from_jsonl(_resolve_data(memory.seed_file))
             self.bank.drain_changes()  # the seed skills are the config, not a change
+        self.prompter = Prompter(self.tokenizer, rollout.history)
+        self.engine: Engine = self._make_engine(engine, engine_settings, replay, lora)
+        self.agent = Agent(self.engine, self.prompter, self.executor, self.planner, self.bank)
         self.evolution = BankEvolution(self.bank, memory) if self.bank is not None else None
         self._contrastive: tuple[list, torch.Tensor] | None = None
         self._skill_keys: np.ndarray | None = None
@@ -174,28 +197,53 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
             out.insert(0, ("planner", self.planner))
         return out
 
+    def _make_engine(self, name: str, settings: EngineSettings, replay: ReplaySettings,
+                     lora: LoraSettings) -> Engine:
+        # rollout_lag counts training steps; the engine's versions are optimizer steps
+        lag = replay.rollout_lag * replay.updates_per_batch
+        if name == "vllm":
+            from hieragent.engines.vllm import VLLMEngine
+            from hieragent.models.loading import cache_dir, smollm2_dir
+
+            model = self.hparams.model
+            path = smollm2_dir() if model == "smollm2" else Path(model)
+            workdir = cache_dir() / "vllm-adapters" / f"{os.getpid()}-{id(self):x}"
+            return VLLMEngine(self.lm, path, self.tokenizer.eos_token_id, workdir, settings, lag,
+                              lora_rank=lora.r)
+        return HFEngine(self.lm, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, settings, lag)
+
+    def sync_engine(self) -> None:
+        """The engine now serves the weights of this optimizer step (``global_step``)."""
+        self.engine.sync(self.trainable_parameters(), self.global_step)
+
+    def _ensure_synced(self) -> None:
+        # the first acting of a fit, a resume (whose step is restored after on_fit_start),
+        # a validation or a test; during training every optimizer step syncs
+        if not self.engine.versions or self.engine.latest_version != self.global_step:
+            self.sync_engine()
+
     @torch.no_grad()
     def collect(self, pool, seeds: list[int], groups: list[int], greedy: bool = False,
-                generator: torch.Generator | None = None, on_step=None,
-                version: int | None = None) -> Batch:
-        """Roll out the current policies (evaluation, and training through ``collect_train``)."""
-        version = self.global_step if version is None else version
+                generator: torch.Generator | None = None, on_step=None) -> Batch:
+        """Roll out the policies through the engine (evaluation; training: ``collect_train``).
+        The batch and its turns carry the version the engine served."""
+        if not self.engine.serving_lagged:
+            self._ensure_synced()
         was_training = self.lm.training
         self.lm.eval()
         try:
-            trajectories = collect(pool, seeds, groups, self.executor, self.planner, self.bank,
-                                   self.rollout_settings, greedy, version, generator, on_step)
+            trajectories = collect(pool, seeds, groups, self.agent, self.rollout_settings, greedy,
+                                   generator, on_step)
         finally:
             self.lm.train(was_training)
-        return Batch(trajectories, policy_version=version)
+        return Batch(trajectories, policy_version=self.engine.version)
 
     def collect_train(self, pool, seeds: list[int], groups: list[int]) -> Batch:
-        """A training batch: with the lagged weights if ``replay.rollout_lag`` asks for them,
-        and with the trainer's own behaviour log-probs if truncated IS needs them."""
-        params = self.trainable_parameters()
-        self.snapshots.push(self.global_step, params)
-        with self.snapshots.lagged(self.global_step, params) as version:
-            batch = self.collect(pool, seeds, groups, version=version)
+        """A training batch from the version the engine serves ``replay.rollout_lag`` steps
+        behind, with the trainer's own behaviour log-probs if truncated IS needs them."""
+        self._ensure_synced()
+        with self.engine.lagged():
+            batch = self.collect(pool, seeds, groups)
             if self.objective.tis_cap is not None:
                 for role, policy in self.policies():
                     record_trainer_logprobs(policy, batch.turns(role), self.objective.micro_batch_turns)
@@ -246,9 +294,11 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         self.log_dict({"replay/batches": float(len(batches)),
                        "replay/dropped_turns": float(self.replay.dropped_turns)},
                       on_step=True, on_epoch=False, batch_size=self._episodes)
+        self.engine.sleep()
         for _ in range(self.replay_settings.updates_per_batch):
             if self._update(batches):  # the batches that caused a skip are gone from the buffer
                 batches = self.replay.retained(self.global_step)
+        self.engine.wake()
         self._log_episodes(batch.trajectories, self.train_metrics)
         counters = getattr(self.trainer.datamodule, "env_counters", None)
         env_stats = counters() if counters is not None else {}
@@ -325,6 +375,8 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
             self.manual_backward(v_loss)
             stats["value/loss"] = float(v_loss.detach())
         step = guarded_step(opt, settings.max_grad_norm, scales, skip)
+        if step.skipped is None:
+            self.sync_engine()
         if step.skipped is not None:
             log.warning("step %d: %s; the step is skipped", self.global_step, step.skipped)
             bad = {id(t) for t in culprits}
@@ -396,6 +448,8 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         self._log_episodes(batch.trajectories, self._eval_metrics("test", dataloader_idx), on_step=False)
 
     def setup(self, stage: str) -> None:
+        if isinstance(self.engine, HFEngine):  # act in the precision the trainer computes in
+            self.engine.autocast = autocast_dtype(self.trainer.precision)
         # per-env metrics exist before anything is logged: Lightning maps metric objects to
         # attribute names once, at the first log call
         envs = getattr(self.trainer.datamodule, "test_envs", None) or []

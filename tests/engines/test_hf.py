@@ -132,3 +132,23 @@ def test_one_batch_runs_one_adapter(tiny_lm, tokenizer):
     cached, _ = engines(tiny_lm, tokenizer)
     with pytest.raises(ValueError, match="one adapter"):
         cached.score([Request([1, 2], "planner"), Request([1, 2], "executor")], [[[3]], [[3]]])
+
+
+def test_a_batch_mixing_cached_and_fresh_prompts_matches_uncached(tiny_lm, tokenizer):
+    lm = tiny_lm.double()
+    cached, plain = engines(lm, tokenizer)
+    cached.settings = EngineSettings(prefix_cache=True, cache_prompts=0)  # own episode only
+    prompter = Prompter(tokenizer)
+    cand = [[tokenizer.eos_token_id], list(tokenizer.encode("go forward", add_special_tokens=False))]
+    first = [prompter.prompt("executor", f"Subgoal: find key {e}\nYou see a wall.", None)[0] for e in range(2)]
+    cached.score([Request(first[0], "executor", episode=0)], [cand])  # only episode 0 is cached
+    second = [prompter.prompt("executor", f"Subgoal: find key {e}\nYou see a door {e}.", None)[0]
+              for e in range(3)]
+    requests = [Request(p, "executor", episode=e) for e, p in enumerate(second)]
+    before = cached.stats.reused
+    got, want = cached.score(requests, [cand] * 3), plain.score(requests, [cand] * 3)
+    assert cached.stats.reused > before  # row 0 reused its prefix, rows 1 and 2 ran whole
+    for row_got, row_want in zip(got, want):
+        for a, b in zip(row_got, row_want):
+            assert torch.isfinite(a).all()
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

@@ -85,3 +85,13 @@ def test_fit_with_env_worker_processes_and_the_loop_guard(workspace):
         rows = [r for r in csv.DictReader(f) if r.get("env/worker_restarts")]
     assert rows and float(rows[0]["env/dropped_episodes"]) == 0.0
     assert 0.0 <= float(rows[0]["train/loop_ended"]) <= 1.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine may run the vllm engine")
+def test_vllm_engine_without_a_gpu_fails_at_start_in_one_line_and_writes_nothing(workspace):
+    out = run(["fit", "--config", "configs/tiny.yaml", "--model.engine", "vllm"], workspace)
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if line.startswith("hieragent: error")]
+    assert len(errors) == 1, out.stderr[-2000:]
+    assert "model.engine: vllm needs a CUDA GPU" in errors[0] and "Traceback" not in out.stderr
+    assert not (workspace / "lightning_logs").exists()

@@ -1,0 +1,86 @@
+"""Which Lightning precision fits this machine, when the config does not say.
+
+bf16 is only worth it where the hardware computes in it natively: a CUDA GPU with bf16
+units (Ampere and later), or a CPU with AMX-BF16 tiles (Xeon Sapphire Rapids and later,
+about 5x faster than fp32 there). A CPU with only AVX512-BF16 runs bf16 matmuls about
+300x slower than fp32 in our measurements, so it gets fp32, as does everything else.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def read_cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The CPU feature flags, e.g. ``{"avx512f", "amx_bf16", ...}``.
+
+    ``/proc/cpuinfo`` comes first: it lists what the kernel has enabled, and AMX needs the
+    kernel's support as well as the chip's. Where it is absent (macOS, Windows) or has no
+    flags line, torch's own CPUID reading (``torch.cpu.get_capabilities``) is used instead.
+    """
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86 spells it "flags", arm64 "Features"
+            return set(value.split())
+    get_capabilities = getattr(torch.cpu, "get_capabilities", None)  # torch >= 2.9
+    caps = get_capabilities() if get_capabilities else {}
+    return {name for name, on in caps.items() if on is True}
+
+
+def resolve_precision(
+    accelerator: object = "auto",
+    *,
+    cuda: bool | None = None,
+    cuda_bf16: bool | None = None,
+    cpu_flags: set[str] | None = None,
+) -> tuple[str, str]:
+    """A Lightning precision for ``accelerator`` on this machine, and the reason in words.
+
+    ``cuda`` (a CUDA device is present), ``cuda_bf16`` (it has native bf16) and
+    ``cpu_flags`` are detected when left as None; tests pass them in. The accelerator
+    matters because a config may pin ``cpu`` on a machine that has a GPU.
+    """
+    acc = accelerator.lower() if isinstance(accelerator, str) else None
+    if acc in ("auto", "gpu", "cuda"):
+        if torch.cuda.is_available() if cuda is None else cuda:
+            if cuda_bf16 is None:
+                # with emulation counted, pre-Ampere GPUs say yes and then run bf16 slowly
+                cuda_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+            if cuda_bf16:
+                return "bf16-mixed", "CUDA GPU with native bf16"
+            return "32-true", "CUDA GPU without native bf16"
+        if acc != "auto":
+            return "32-true", f"accelerator {acc!r} without a CUDA device"
+        acc = "cpu"  # Lightning's "auto" falls back to the CPU here (or to MPS, which has no AMX)
+    if acc != "cpu":
+        return "32-true", f"accelerator {accelerator!r}: no automatic choice, fp32 is safe"
+    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+    if "amx_bf16" in flags:
+        return "bf16-mixed", "CPU with AMX-BF16"
+    if "avx512_bf16" in flags:
+        return "32-true", "CPU with AVX512-BF16 but no AMX: bf16 matmul is slow here"
+    return "32-true", "CPU without AMX-BF16: bf16 matmul is slow here"
+
+
+_AUTOCAST = {
+    "bf16-mixed": torch.bfloat16,
+    "bf16": torch.bfloat16,  # Lightning reads "bf16" as "bf16-mixed"
+    "16-mixed": torch.float16,
+    "16": torch.float16,  # and 16 or "16" as "16-mixed"
+}
+
+
+def autocast_dtype(precision: str | int | None) -> torch.dtype | None:
+    """The dtype for ``torch.autocast`` under a Lightning precision, None for no autocast.
+
+    Only the mixed precisions autocast during training; the acting engine autocasts with
+    the same dtype, so that rollout log-probs are computed as the training step computes
+    them. "32-true", "64-true", "bf16-true" (weights already in bf16) and None give None.
+    """
+    return None if precision is None else _AUTOCAST.get(str(precision))

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hieragent.engines.base import EngineSettings, Request, Sampling
     from hieragent.engines.hf import HFEngine
+    from hieragent.engines.prompting import Prompter
     from hieragent.engines.vllm import VLLMEngine
     from hieragent.io import atomic_write_text
     from hieragent.models.loading import load_causal_lm, load_tokenizer, smollm2_dir
@@ -100,12 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"gpu": torch.cuda.get_device_name(), "vllm_dtype": args.dtype, "hf_dtype": "float32",
                     "vllm_start_s": time.perf_counter() - t0, "score": {}, "generate": {}}
 
-    def prompt(mission: str) -> list[int]:
-        messages = [{"role": "user", "content": f"Mission: {mission}. What do you do next?"}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-    prompts = [prompt(m) for m in MISSIONS]
+    prompter = Prompter(tokenizer)
+    prompts = [prompter.executor_prompt(m, "You see a wall 2 steps forward.", None)[0] for m in MISSIONS]
     cands = [[tokenizer.encode(a, add_special_tokens=False) + [eos] for a in ACTIONS]] * len(prompts)
     previous: dict[str, list[list[torch.Tensor]]] = {}
     for version in (1, 2):

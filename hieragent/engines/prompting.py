@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hieragent.agents.prompts import EXECUTOR_SYSTEM, PLANNER_SYSTEM, system_text
+from hieragent.agents.prompts import EXECUTOR_SYSTEM, PLANNER_SYSTEM, executor_text, planner_text, system_text
 from hieragent.memory.retrieval import sample_retrievals
 from hieragent.types import Role
 
@@ -104,6 +104,18 @@ class Prompter:
         past = [tok for u, r in dialogue.turns[-self.history:] for tok in (*u, *r)]
         return start + past + user, user
 
+    def planner_prompt(self, mission: str, observation: str, skills: list[str], options: list[str] | None,
+                       feedback: str = "", world: str | None = None,
+                       dialogue: Dialogue | None = None) -> tuple[list[int], list[int]]:
+        """The planner's prompt: mission, view, retrieved skills, feedback, (generate mode) options."""
+        return self.prompt("planner", planner_text(mission, observation, skills, options, feedback), world, dialogue)
+
+    def executor_prompt(self, subgoal: str, observation: str, options: list[str] | None,
+                        feedback: str = "", world: str | None = None,
+                        dialogue: Dialogue | None = None) -> tuple[list[int], list[int]]:
+        """The executor's prompt: its subgoal, the view, feedback, (generate mode) options."""
+        return self.prompt("executor", executor_text(subgoal, observation, options, feedback), world, dialogue)
+
     def remember(self, dialogue: Dialogue, user: list[int], reply: list[int]) -> None:
         """Append a turn: its user block and the reply's ids as acted (end-of-turn added if
         the reply ran out of tokens), then the template's glue."""
@@ -113,6 +125,17 @@ class Prompter:
         ending = [] if reply and reply[-1] == eos else [eos]
         dialogue.turns.append((user, [*reply, *ending, *self._glue]))
         del dialogue.turns[: -self.history]
+
+
+def planner_state(mission: str, observation: str) -> str:
+    """The planner's state key (``Turn.state_key``): its prompt text without skills, feedback
+    or options, so that equal states compare equal (GiGPO anchors, the value head)."""
+    return planner_text(mission, observation, [], None)
+
+
+def executor_state(subgoal: str, observation: str) -> str:
+    """The executor's state key: subgoal and view."""
+    return executor_text(subgoal, observation, None)
 
 
 def retrieval_query(mission: str, observation: str) -> str:

@@ -35,6 +35,7 @@ import torch
 from torchmetrics import MeanMetric, MetricCollection
 
 from hieragent.agents.policy import Executor, Mode, Planner
+from hieragent.engines import ENGINES
 from hieragent.engines.acting import Agent
 from hieragent.engines.base import Engine, EngineSettings
 from hieragent.engines.hf import HFEngine
@@ -129,8 +130,8 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         kl_reference: Literal["init", "base"] = "init",
     ) -> None:
         super().__init__()
-        if engine not in ("hf", "vllm"):
-            raise ValueError(f"model.engine must be 'hf' or 'vllm', got {engine!r}")
+        if engine not in ENGINES:
+            raise ValueError(f"model.engine must be one of {', '.join(ENGINES)}; got {engine!r}")
         if engine == "vllm":  # before anything is loaded or written: no GPU, one line
             from hieragent.engines.vllm import require_vllm
             require_vllm()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from hieragent.agents.prompts import executor_text, planner_text
 from hieragent.engines.prompting import Dialogue, retrieval_query, retrieve
 from hieragent.envs.base import env_class
 from hieragent.lightning.optim import guarded_step
@@ -41,8 +40,8 @@ def imitation_turns(module, demos: list[Demonstration]) -> dict[Role, list[Turn]
             dialogue = Dialogue()
             for p in d.planner:
                 options = p.candidates if planner.mode == "generate" else None
-                prompt, user = prompter.prompt("planner", planner_text(d.mission, p.observation, next(shown),
-                                                                       options), world, dialogue)
+                prompt, user = prompter.planner_prompt(d.mission, p.observation, next(shown), options,
+                                                       world=world, dialogue=dialogue)
                 turn = _turn(planner, prompt, p.candidates, p.subgoal)
                 prompter.remember(dialogue, user, turn.action_ids)
                 out["planner"].append(turn)
@@ -50,8 +49,8 @@ def imitation_turns(module, demos: list[Demonstration]) -> dict[Role, list[Turn]
         for e in d.executor:
             subgoal = e.subgoal if planner is not None else d.mission
             options = e.candidates if executor.mode == "generate" else None
-            prompt, user = prompter.prompt("executor", executor_text(subgoal, e.observation, options),
-                                           world, dialogue)
+            prompt, user = prompter.executor_prompt(subgoal, e.observation, options, world=world,
+                                                    dialogue=dialogue)
             turn = _turn(executor, prompt, e.candidates, e.action)
             prompter.remember(dialogue, user, turn.action_ids)
             out["executor"].append(turn)

@@ -17,9 +17,8 @@ from typing import Callable
 
 import torch
 
-from hieragent.agents.prompts import executor_text, planner_text
 from hieragent.engines.acting import Agent, act
-from hieragent.engines.prompting import Dialogue, retrieval_query, retrieve
+from hieragent.engines.prompting import Dialogue, executor_state, planner_state, retrieval_query, retrieve
 from hieragent.envs.guards import ended_by_loop
 from hieragent.envs.pool import EnvPool
 from hieragent.types import Trajectory, Turn
@@ -136,16 +135,17 @@ def _planner_turns(pool, states, idx, agent, settings, greedy, generator) -> Non
     picked = retrieve(agent.bank, planner.query_adapter, queries, settings, greedy, generator)
     options = [states[i].observation.subgoals for i in idx]
     show = options if planner.mode == "generate" else [None] * len(idx)
-    turns = _act(agent, planner, pool, states, idx, options, [
-        planner_text(states[i].observation.mission, states[i].observation.text, picked[j][0], show[j],
-                     states[i].planner_feedback) for j, i in enumerate(idx)], greedy, generator)
+    built = [agent.prompter.planner_prompt(states[i].observation.mission, states[i].observation.text,
+                                           picked[j][0], show[j], states[i].planner_feedback, pool.world(i),
+                                           states[i].dialogues["planner"]) for j, i in enumerate(idx)]
+    turns = _act(agent, planner, states, idx, options, built, greedy, generator)
     retrievals = [r for _, r in picked]
     feedback = pool.set_subgoals({i: t.text for i, t in zip(idx, turns)})
     for j, (i, turn) in enumerate(zip(idx, turns)):
         state = states[i]
         turn.segment, turn.retrieval = state.segment, retrievals[j]
         # the state, not the prompt: retrieved skills and feedback are left out (GiGPO anchors)
-        turn.state_key = planner_text(state.observation.mission, state.observation.text, [], None)
+        turn.state_key = planner_state(state.observation.mission, state.observation.text)
         turn.observation = state.observation.text
         state.trajectory.turns.append(turn)
         state.plan_turn, state.subgoal = turn, turn.text
@@ -158,11 +158,9 @@ def _planner_turns(pool, states, idx, agent, settings, greedy, generator) -> Non
             turn.reward -= pool.invalid_penalty(i)
 
 
-def _act(agent, policy, pool, states, idx, options, texts, greedy, generator) -> list[Turn]:
-    """Prompts (with each episode's dialogue of this role), the engine's turns, and the
-    dialogues extended by them."""
-    built = [agent.prompter.prompt(policy.role, text, pool.world(i), states[i].dialogues[policy.role])
-             for text, i in zip(texts, idx)]
+def _act(agent, policy, states, idx, options, built, greedy, generator) -> list[Turn]:
+    """The engine's turns on the ``(prompt, user block)`` pairs ``built``, and each episode's
+    dialogue of this role extended by them (``rollout.history``)."""
     turns = act(agent.engine, policy, [p for p, _ in built], options,
                 [_episode(states[i]) for i in idx], greedy, generator)
     for (_, user), i, turn in zip(built, idx, turns):
@@ -174,14 +172,15 @@ def _executor_turns(pool, states, idx, agent, settings, hierarchical, greedy, ge
     executor = agent.executor
     options = [states[i].observation.actions for i in idx]
     show = options if executor.mode == "generate" else [None] * len(idx)
-    turns = _act(agent, executor, pool, states, idx, options, [
-        executor_text(states[i].subgoal, states[i].observation.text, show[j], states[i].executor_feedback)
-        for j, i in enumerate(idx)], greedy, generator)
+    built = [agent.prompter.executor_prompt(states[i].subgoal, states[i].observation.text, show[j],
+                                            states[i].executor_feedback, pool.world(i),
+                                            states[i].dialogues["executor"]) for j, i in enumerate(idx)]
+    turns = _act(agent, executor, states, idx, options, built, greedy, generator)
     results = pool.step({i: t.text for i, t in zip(idx, turns)})
     for i, turn in zip(idx, turns):
         state, result = states[i], results[i]
         trajectory = state.trajectory
-        turn.state_key = executor_text(state.subgoal, state.observation.text, None)  # pre-step view
+        turn.state_key = executor_state(state.subgoal, state.observation.text)  # pre-step view
         turn.observation = state.observation.text
         achieved = hierarchical and result.subgoal_done
         turn.reward = result.reward + (settings.intrinsic_reward if achieved else 0.0)

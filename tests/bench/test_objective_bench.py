@@ -19,8 +19,9 @@ def test_bench_runs_every_variant_and_its_stale_runs_are_really_off_policy(tmp_p
         m = read_metrics(run)
         assert summary["after"] == json.loads((run / "eval_summary.json").read_text())["after"]["success"]
         ratios = m["executor/ratio_max"] + m["executor/ratio_min"]
-        if name.startswith("on-policy"):  # one update per fresh batch: every ratio is exactly 1
-            assert set(ratios) == {1.0} and summary["clip_frac"] == 0.0
+        if name.startswith("on-policy"):  # one update per fresh batch: every ratio is 1, up to
+            # float32 rounding (the engine's prefix cache runs the same numbers in another layout)
+            assert max(abs(r - 1.0) for r in ratios) < 1e-5 and summary["clip_frac"] == 0.0
         else:  # the second update of a batch rolled out one step earlier is off-policy
             assert max(abs(r - 1.0) for r in ratios) > 1e-4
         assert math.isnan(summary["norm_triggered"]) == ("clip norm" not in name)

@@ -21,7 +21,10 @@ def test_quick_bench_rollout_runs_and_the_cache_saves_tokens(tmp_path):
     for mode in ("score", "generate"):
         hist = rows["engine", mode, 2]
         assert hist["prompt_tokens"] > rows["engine", mode, 0]["prompt_tokens"]
-        assert hist["reused_tokens"] > 0.5 * hist["prompt_tokens"]
-        assert rows["engine", mode, 0]["reused_tokens"] > 0  # the system block, at least
+        flat = rows["engine", mode, 0]
+        assert flat["reused_tokens"] > 0  # the system block, at least
+        # turn 1 has nothing to reuse; from turn 2 on the whole previous prompt is reused
+        share = hist["reused_tokens"] / hist["prompt_tokens"]
+        assert share > 0.3 and share > flat["reused_tokens"] / flat["prompt_tokens"]
     naive = rows["naive generate", "generate", 2]
     assert naive["run_tokens"] > naive["prompt_tokens"]  # the whole history, prefilled again

@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities import rank_zero_only
 
 from hieragent.models.loading import set_offline
-from hieragent.precision import resolve_precision
+from hieragent.precision import machine_precision
 
 
 class HierAgentCLI(LightningCLI):
@@ -61,7 +61,7 @@ class HierAgentCLI(LightningCLI):
         trainer = config.get("trainer")
         if trainer is None or trainer.get("precision") is not None:
             return
-        precision, reason = resolve_precision(trainer.get("accelerator", "auto"))
+        precision, reason = machine_precision(trainer.get("accelerator", "auto"))
         trainer.precision = precision
         if rank_zero_only.rank == 0:  # DDP ranks each run this CLI; one line is enough
             sys.stderr.write(f"hieragent: precision {precision} ({reason}); "

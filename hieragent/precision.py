@@ -1,16 +1,39 @@
 """Which Lightning precision fits this machine, when the config does not say.
 
-bf16 is only worth it where the hardware computes in it natively: a CUDA GPU with bf16
-units (Ampere and later), or a CPU with AMX-BF16 tiles (Xeon Sapphire Rapids and later,
-about 5x faster than fp32 there). A CPU with only AVX512-BF16 runs bf16 matmuls about
-300x slower than fp32 in our measurements, so it gets fp32, as does everything else.
+bf16 is only worth it where the hardware computes in it fast: a CUDA GPU with bf16 units
+(Ampere and later), or a CPU with AMX-BF16 tiles (Xeon Sapphire Rapids and later, about 5x
+faster than fp32 there). On other CPUs it varies: we have measured bf16 matmuls 300x
+slower than fp32 on one without AMX, and 2.2x faster on an AMD EPYC with AVX512-BF16. So a
+CPU without AMX but with AVX512-BF16 is measured (a short matmul of each, about a third of
+a second) and gets bf16 only where it is clearly faster; any other CPU gets fp32. The
+choice is kept in ``HIERAGENT_PRECISION`` for the processes this one starts (DDP ranks),
+so that every rank trains in the same precision.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import torch
+
+BF16_SPEEDUP = 1.5  # bf16 matmul over fp32 matmul needed to pick bf16 on a CPU without AMX
+ENV = "HIERAGENT_PRECISION"
+
+
+def matmul_speedup(size: int = 512, seconds: float = 0.15) -> float:
+    """Best bf16 matmul rate over best fp32 matmul rate on this CPU, measured now."""
+    def best(dtype: torch.dtype) -> float:
+        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+        a @ b
+        fastest, start = float("inf"), time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            t = time.perf_counter()
+            a @ b
+            fastest = min(fastest, time.perf_counter() - t)
+        return fastest
+    return best(torch.float32) / best(torch.bfloat16)
 
 
 def read_cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
@@ -39,12 +62,14 @@ def resolve_precision(
     cuda: bool | None = None,
     cuda_bf16: bool | None = None,
     cpu_flags: set[str] | None = None,
+    bf16_speedup: float | None = None,
 ) -> tuple[str, str]:
     """A Lightning precision for ``accelerator`` on this machine, and the reason in words.
 
     ``cuda`` (a CUDA device is present), ``cuda_bf16`` (it has native bf16) and
-    ``cpu_flags`` are detected when left as None; tests pass them in. The accelerator
-    matters because a config may pin ``cpu`` on a machine that has a GPU.
+    ``cpu_flags`` are detected when left as None, and ``bf16_speedup`` (``matmul_speedup``)
+    measured when needed; tests pass them in. The accelerator matters because a config may
+    pin ``cpu`` on a machine that has a GPU.
     """
     acc = accelerator.lower() if isinstance(accelerator, str) else None
     if acc in ("auto", "gpu", "cuda"):
@@ -64,8 +89,21 @@ def resolve_precision(
     if "amx_bf16" in flags:
         return "bf16-mixed", "CPU with AMX-BF16"
     if "avx512_bf16" in flags:
-        return "32-true", "CPU with AVX512-BF16 but no AMX: bf16 matmul is slow here"
-    return "32-true", "CPU without AMX-BF16: bf16 matmul is slow here"
+        speedup = matmul_speedup() if bf16_speedup is None else bf16_speedup
+        if speedup >= BF16_SPEEDUP:
+            return "bf16-mixed", f"CPU with AVX512-BF16, no AMX: bf16 matmul measured {speedup:.1f}x fp32"
+        return "32-true", f"CPU with AVX512-BF16, no AMX: bf16 matmul measured {speedup:.1f}x fp32"
+    return "32-true", "CPU without AMX-BF16 or AVX512-BF16: bf16 matmul is slow here"
+
+
+def machine_precision(accelerator: object = "auto") -> tuple[str, str]:
+    """``resolve_precision`` once per run: a process started by this one (a DDP rank)
+    inherits the choice through ``HIERAGENT_PRECISION`` instead of measuring again."""
+    if os.environ.get(ENV):
+        return os.environ[ENV], "chosen by the launching process"
+    precision, reason = resolve_precision(accelerator)
+    os.environ[ENV] = precision
+    return precision, reason
 
 
 _AUTOCAST = {

@@ -1,11 +1,16 @@
 """hieragent/precision.py: the precision each kind of machine gets, and the CLI applying it."""
 
+import csv
+import math
+import os
+
 import pytest
 import torch
 import yaml
 
 from cli_helpers import make_workspace, run_cli
-from hieragent.precision import autocast_dtype, read_cpu_flags, resolve_precision
+from hieragent.precision import (ENV, autocast_dtype, machine_precision, matmul_speedup, read_cpu_flags,
+                                 resolve_precision)
 
 # Flags as /proc/cpuinfo lists them: a Sapphire Rapids Xeon, and an EPYC with AVX512-BF16 only.
 XEON_AMX = {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
@@ -17,11 +22,31 @@ def test_cpu_with_amx_bf16_gets_bf16_mixed():
     assert resolve_precision("cpu", cpu_flags=XEON_AMX)[0] == "bf16-mixed"
 
 
-@pytest.mark.parametrize("flags", [EPYC_AVX512_BF16, OLD_X86, set()])
-def test_cpu_without_amx_gets_fp32_even_with_avx512_bf16(flags):
-    precision, reason = resolve_precision("cpu", cpu_flags=flags)
+@pytest.mark.parametrize("flags", [OLD_X86, set()])
+def test_cpu_without_amx_or_avx512_bf16_gets_fp32_without_measuring(flags):
+    precision, reason = resolve_precision("cpu", cpu_flags=flags, bf16_speedup=100.0)
     assert precision == "32-true"
     assert "slow" in reason
+
+
+@pytest.mark.parametrize("speedup,want", [(0.003, "32-true"), (1.2, "32-true"), (2.2, "bf16-mixed")])
+def test_cpu_with_avx512_bf16_but_no_amx_goes_by_the_measured_matmul_speedup(speedup, want):
+    # 0.003: the machine where bf16 was 300x slower; 2.2: the EPYC this was written on
+    precision, reason = resolve_precision("cpu", cpu_flags=EPYC_AVX512_BF16, bf16_speedup=speedup)
+    assert precision == want and f"measured {speedup:.1f}x" in reason
+
+
+def test_the_measured_speedup_is_a_real_ratio_of_two_timings():
+    speedup = matmul_speedup(size=128, seconds=0.02)
+    assert math.isfinite(speedup) and speedup > 0
+
+
+def test_a_launched_rank_inherits_the_choice_instead_of_measuring(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    first = machine_precision("cpu")
+    assert os.environ[ENV] == first[0]
+    monkeypatch.setenv(ENV, "64-true")  # whatever the launcher chose, the rank takes it
+    assert machine_precision("cpu") == ("64-true", "chosen by the launching process")
 
 
 @pytest.mark.parametrize("accelerator", ["auto", "gpu", "cuda"])
@@ -42,7 +67,7 @@ def test_pinned_cpu_accelerator_looks_at_the_cpu_not_the_gpu():
 
 def test_auto_without_cuda_falls_back_to_the_cpu():
     assert resolve_precision("auto", cuda=False, cpu_flags=XEON_AMX)[0] == "bf16-mixed"
-    assert resolve_precision("auto", cuda=False, cpu_flags=EPYC_AVX512_BF16)[0] == "32-true"
+    assert resolve_precision("auto", cuda=False, cpu_flags=EPYC_AVX512_BF16, bf16_speedup=0.5)[0] == "32-true"
 
 
 @pytest.mark.parametrize("accelerator", ["mps", "tpu", object()])
@@ -85,13 +110,30 @@ def _fit_zero_steps(workdir, *args):
 def test_fit_without_precision_uses_the_resolved_one(tmp_path):
     # tiny.yaml pins 32-true; null is what a config without the key parses to
     out, saved = _fit_zero_steps(make_workspace(tmp_path), "--trainer.precision", "null")
-    expected, reason = resolve_precision("cpu")  # tiny.yaml pins accelerator: cpu
-    assert saved == expected
+    flags = read_cpu_flags()  # tiny.yaml pins accelerator: cpu
+    if "amx_bf16" in flags:
+        assert saved == "bf16-mixed"
+    elif "avx512_bf16" not in flags:
+        assert saved == "32-true"
+    else:  # measured in the subprocess
+        assert saved in ("32-true", "bf16-mixed")
     lines = [line for line in out.stderr.splitlines() if line.startswith("hieragent: precision")]
-    assert lines == [f"hieragent: precision {expected} ({reason}); set trainer.precision to override"]
+    assert len(lines) == 1 and lines[0].startswith(f"hieragent: precision {saved} (")
+    assert lines[0].endswith("); set trainer.precision to override")
 
 
 def test_fit_keeps_a_precision_that_was_given(tmp_path):
     out, saved = _fit_zero_steps(make_workspace(tmp_path), "--trainer.precision", "64-true")
     assert saved == "64-true"
     assert "hieragent: precision" not in out.stderr
+
+
+def test_a_bf16_mixed_cpu_fit_acts_and_trains_alike(tmp_path):
+    """The engine acts under the trainer's autocast: on-policy ratios are 1 in bf16 too."""
+    workdir = make_workspace(tmp_path)
+    out = run_cli(["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", "2",
+                   "--trainer.precision", "bf16-mixed"], workdir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = list(csv.DictReader(open(workdir / "lightning_logs/tiny/version_0/metrics.csv")))
+    ratios = [float(r[k]) for r in rows for k in ("executor/ratio_max", "executor/ratio_min") if r.get(k)]
+    assert len(ratios) == 4 and max(abs(r - 1.0) for r in ratios) < 1e-5

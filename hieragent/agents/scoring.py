@@ -91,9 +91,9 @@ def prompt_pass(model: torch.nn.Module, prompts: list[list[int]], pad_id: int,
     width = max(done)
     cache = None
     if width > 0:
-        layers = []
-        for layer in range(len(next(p for p in prefixes if p is not None)[1])):
-            ref_k, ref_v = next(p for p in prefixes if p is not None)[1][layer]
+        layers, ref = [], next(p[1] for p in prefixes if p is not None)  # shapes and dtype
+        for layer in range(len(ref)):
+            ref_k, ref_v = ref[layer]
             keys = ref_k.new_zeros((len(prompts), ref_k.shape[0], width, ref_k.shape[2]))  # [B, H, C, D]
             values = ref_v.new_zeros((len(prompts), ref_v.shape[0], width, ref_v.shape[2]))
             for i, p in enumerate(prefixes):

@@ -45,7 +45,7 @@ from rich.table import Table
 from hieragent.agents.policy import Executor, Planner
 from hieragent.agents.scoring import token_logprobs
 from hieragent.engines.acting import Agent
-from hieragent.engines.base import Engine, EngineSettings, Generation, Request
+from hieragent.engines.base import Engine, EngineSettings, finished
 from hieragent.engines.hf import HFEngine
 from hieragent.engines.prompting import Prompter
 from hieragent.envs.pool import EnvPool
@@ -133,8 +133,7 @@ class NaiveEngine(Engine):
                 new = res.sequences[0, ids.shape[1]:]
                 lps = token_logprobs(torch.stack(res.logits, 1)[0], new, s.temperature)
                 row = new.tolist()
-                end = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
-                out.append(Generation(row[:end], lps[:end].tolist(), "stop" if self.eos_id in row else "length"))
+                out.append(finished(row, lps.tolist(), self.eos_id))
                 self.computed += len(r.prompt_ids) + len(row) - 1
                 self.logit_rows += len(row)
         return out

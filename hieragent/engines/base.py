@@ -220,3 +220,34 @@ def one_adapter(requests: list[Request]) -> str:
     if len(adapters) != 1:
         raise ValueError(f"an engine batch runs one adapter; got {sorted(adapters)}")
     return adapters.pop()
+
+
+def one_sampling(requests: list[Request]) -> tuple[str, Sampling]:
+    """The adapter and the ``Sampling`` all ``requests`` share: a generate batch has one of each."""
+    adapter, sampling = one_adapter(requests), requests[0].sampling
+    if any(r.sampling != sampling for r in requests):
+        raise ValueError("an engine batch samples with one Sampling; got several")
+    return adapter, sampling
+
+
+def check_continuations(continuations: list[list[list[int]]]) -> None:
+    """``score`` needs at least one continuation per request, none of them empty."""
+    if any(not cands for cands in continuations) or any(not c for cands in continuations for c in cands):
+        raise ValueError("engine.score: every request needs at least one non-empty continuation")
+
+
+def per_request(flat: list, continuations: list[list[list[int]]]) -> list[list]:
+    """``flat`` (one item per continuation, request by request) grouped per request."""
+    out, start = [], 0
+    for cands in continuations:
+        out.append(flat[start:start + len(cands)])
+        start += len(cands)
+    return out
+
+
+def finished(ids: list[int], logprobs: list[float], eos_id: int) -> Generation:
+    """A completion cut after its first ``eos_id`` (``stop``), or whole (``length``)."""
+    if eos_id in ids:
+        end = ids.index(eos_id) + 1
+        return Generation(ids[:end], logprobs[:end], "stop")
+    return Generation(ids, logprobs, "length")

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from hieragent.agents.scoring import PromptPass, continuation_logprobs, prompt_pass, token_logprobs
-from hieragent.engines.base import Engine, EngineSettings, Generation, Request, one_adapter
+from hieragent.engines.base import (Engine, EngineSettings, Generation, Request, check_continuations, finished,
+                                   one_adapter, one_sampling, per_request)
 
 KV = list[tuple[Tensor, Tensor]]  # per layer: keys, values [H, L, D]
 
@@ -147,8 +148,7 @@ class HFEngine(Engine):
     def score(self, requests: list[Request], continuations: list[list[list[int]]]) -> list[list[Tensor]]:
         if not requests:
             return []
-        if any(not c for cands in continuations for c in cands) or any(not c for c in continuations):
-            raise ValueError("engine.score: every request needs at least one non-empty continuation")
+        check_continuations(continuations)
         adapter = one_adapter(requests)
         with self._running(adapter):
             run = self._prompts(adapter, requests)
@@ -158,20 +158,13 @@ class HFEngine(Engine):
             self.stats.logit_rows += sum(len(c) - 1 for c in flat)
             per_token = continuation_logprobs(self.lm, [r.prompt_ids for r in requests], flat, rows,
                                               self.pad_id, prompt=run)
-        out, start = [], 0
-        for cands in continuations:
-            out.append([t.float().cpu() for t in per_token[start:start + len(cands)]])
-            start += len(cands)
-        return out
+        return per_request([t.float().cpu() for t in per_token], continuations)
 
     def generate(self, requests: list[Request], generator: torch.Generator | None = None) -> list[Generation]:
         """Sample up to ``max_new_tokens`` per request, one token per step on the cache."""
         if not requests:
             return []
-        adapter = one_adapter(requests)
-        sampling = requests[0].sampling
-        if any(r.sampling != sampling for r in requests):
-            raise ValueError("an engine batch samples with one Sampling; got several")
+        adapter, sampling = one_sampling(requests)
         with self._running(adapter):
             run = self._prompts(adapter, requests)
             device = run.last_logits.device
@@ -200,11 +193,5 @@ class HFEngine(Engine):
                               cache=cache, use_cache=True)
                 logits, cache, position = out.logits[:, -1], out.cache, position + 1
         ids = torch.stack(tokens, 1).tolist()  # [B, T]
-        lps = torch.stack(logps, 1).float().cpu()  # [B, T]
-        out_gens = []
-        for i in range(rows):
-            row = ids[i]
-            end = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
-            out_gens.append(Generation(row[:end], lps[i, :end].tolist(),
-                                       "stop" if self.eos_id in row else "length"))
-        return out_gens
+        lps = torch.stack(logps, 1).float().cpu().tolist()  # [B, T]
+        return [finished(row, lp, self.eos_id) for row, lp in zip(ids, lps)]

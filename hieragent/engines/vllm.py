@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from hieragent.engines.base import Engine, EngineSettings, Generation, Request, one_adapter
+from hieragent.engines.base import (Engine, EngineSettings, Generation, Request, check_continuations, one_adapter,
+                                   one_sampling, per_request)
 from hieragent.io import scratch_dir
 from hieragent.models.lora import REFERENCE_SUFFIX
 
@@ -201,10 +202,7 @@ class VLLMEngine(Engine):
     def generate(self, requests: list[Request], generator: torch.Generator | None = None) -> list[Generation]:
         if not requests:
             return []
-        adapter = one_adapter(requests)
-        sampling = requests[0].sampling
-        if any(r.sampling != sampling for r in requests):
-            raise ValueError("an engine batch samples with one Sampling; got several")
+        adapter, sampling = one_sampling(requests)
         lora = self._lora(adapter)
         # one seed per request: equal prompts (a group of rollouts) must not sample alike
         seeds = ([None] * len(requests) if sampling.greedy
@@ -230,8 +228,7 @@ class VLLMEngine(Engine):
     def score(self, requests: list[Request], continuations: list[list[list[int]]]) -> list[list[Tensor]]:
         if not requests:
             return []
-        if any(not c for c in continuations) or any(not c for cands in continuations for c in cands):
-            raise ValueError("engine.score: every request needs at least one non-empty continuation")
+        check_continuations(continuations)
         if any(not r.prompt_ids for r in requests):
             raise ValueError("engine.score: every request needs a non-empty prompt")
         lora = self._lora(one_adapter(requests))
@@ -247,11 +244,7 @@ class VLLMEngine(Engine):
         flat = [torch.tensor([out.prompt_logprobs[start + j][token].logprob for j, token in enumerate(c)],
                              dtype=torch.float32)
                 for out, (start, c) in zip(outputs, spans)]
-        scores, start = [], 0
-        for cands in continuations:
-            scores.append(flat[start:start + len(cands)])
-            start += len(cands)
-        return scores
+        return per_request(flat, continuations)
 
     # -- memory ------------------------------------------------------------------------
     def sleep(self) -> None:

@@ -14,8 +14,9 @@ Columns: turns per second over the whole rollout (envs, retrieval and acting); p
 tokens per turn (the prompt the policy sees), those taken from the engine's KV cache, and
 the tokens the engine actually ran per turn (new prompt tokens, candidates, decoded
 tokens); the
-engine's achieved GFLOP/s (weight matmuls of the tokens run and the vocabulary rows used,
-2 flops per multiply-add; attention scores are not counted, so it is a lower bound) and
+engine's achieved GFLOP/s (weight matmuls of the tokens run, the vocabulary rows used, and
+attention over the keys each query sees, 2 flops per multiply-add; padding and the
+positions a mask hides are not counted, so it is a lower bound) and
 its share of the machine's matmul peak in the same precision, measured in this run; the
 speed-up over the naive row of the same mode; and, with history, the cost of the last turn
 over the first (engine seconds per env at executor turn ``--turns`` over turn 1).
@@ -46,7 +47,7 @@ from hieragent.agents.policy import Executor, Planner
 from hieragent.agents.scoring import token_logprobs
 from hieragent.engines.acting import Agent
 from hieragent.engines.base import Engine, EngineSettings, finished
-from hieragent.engines.hf import HFEngine
+from hieragent.engines.hf import HFEngine, causal_pairs
 from hieragent.engines.prompting import Prompter
 from hieragent.envs.pool import EnvPool
 from hieragent.memory.bank import MemoryBank
@@ -97,7 +98,7 @@ class NaiveEngine(Engine):
     def __init__(self, lm, pad_id: int, eos_id: int, autocast: torch.dtype | None = None) -> None:
         super().__init__(EngineSettings())
         self.lm, self.pad_id, self.eos_id, self.autocast = lm, pad_id, eos_id, autocast
-        self.computed = self.logit_rows = 0
+        self.computed = self.logit_rows = self.attended = 0
 
     def _ctx(self):
         return torch.autocast("cpu", dtype=self.autocast) if self.autocast is not None else nullcontext()
@@ -114,6 +115,7 @@ class NaiveEngine(Engine):
                     row.append(token_logprobs(logits[len(r.prompt_ids) - 1:-1], torch.tensor(c)).float())
                     self.computed += len(r.prompt_ids) + len(c)
                     self.logit_rows += len(c)
+                    self.attended += causal_pairs(len(r.prompt_ids) + len(c))
                 out.append(row)
         return out
 
@@ -136,6 +138,7 @@ class NaiveEngine(Engine):
                 out.append(finished(row, lps.tolist(), self.eos_id))
                 self.computed += len(r.prompt_ids) + len(row) - 1
                 self.logit_rows += len(row)
+                self.attended += causal_pairs(len(r.prompt_ids) + len(row) - 1)
         return out
 
 
@@ -183,7 +186,7 @@ class Row:
 
 
 def run_row(name, lm, tokenizer, bank, mode, envs, turns, history, naive, autocast, flop_token, flop_logit,
-            seed=0) -> Row:
+            flop_pair, seed=0) -> Row:
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     engine = NaiveEngine(lm, pad, eos, autocast) if naive else HFEngine(lm, pad, eos, EngineSettings(), 0, autocast)
     timed = Timed(engine)
@@ -199,12 +202,10 @@ def run_row(name, lm, tokenizer, bank, mode, envs, turns, history, naive, autoca
     trajectories = collect(pool, seeds, seeds, agent, settings, generator=torch.Generator().manual_seed(seed))
     seconds = time.perf_counter() - start
     all_turns = [t for tr in trajectories for t in tr.turns]
-    if naive:
-        computed, logit_rows = engine.computed, engine.logit_rows
-    else:
-        computed, logit_rows = engine.stats.computed, engine.stats.logit_rows
+    counts = engine if naive else engine.stats
+    computed, logit_rows = counts.computed, counts.logit_rows
     engine_seconds = sum(c[2] for c in timed.calls)
-    flops = computed * flop_token + logit_rows * flop_logit
+    flops = computed * flop_token + logit_rows * flop_logit + counts.attended * flop_pair
     exec_calls = [c[2] / c[1] for c in timed.calls if c[0] == "executor"]  # seconds per env, per turn
     return Row(name, mode, envs, history, len(all_turns), seconds, engine_seconds,
                statistics.mean(len(t.prompt_ids) for t in all_turns), computed / len(all_turns),
@@ -252,6 +253,8 @@ def main(argv: list[str] | None = None) -> dict:
     base = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n and "lora_" not in n)
     flop_token = 2 * base  # lm_head is tied to the embedding; its rows are counted apart
     flop_logit = 2 * config.vocab_size * config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    flop_pair = 4 * config.num_attention_heads * head_dim * config.num_hidden_layers  # q.k and p.v, every layer
     memory = MemorySettings()
     bank = MemoryBank(memory.embedder, memory.capacity, memory.merge_threshold, memory.index)
     bank.seed_from_jsonl(REPO / memory.seed_file)
@@ -270,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name, mode, envs, turns, history, naive in plan:
             progress.update(task, description=f"{name} {mode} envs={envs} history={history}")
             rows.append(run_row(name, lm, tokenizer, bank, mode, envs, turns, history, naive, autocast,
-                                flop_token, flop_logit))
+                                flop_token, flop_logit, flop_pair))
             progress.advance(task)
     for r in rows:
         r.peak_share = r.gflops / peak

@@ -1,20 +1,22 @@
 """The transformers engine (the default, CPU or GPU): batched scoring and sampling on the
-trainer's own LM, with a KV cache of prompt prefixes.
+trainer's own LM, with the KV of prompts kept in place from call to call.
 
-The cache holds the keys and values of whole prompts computed before, per adapter and
-version (a LoRA changes K and V, so nothing is shared across either). A new prompt runs
-only the tokens after the longest prefix it shares with its episode's previous prompt or
-with a recent prompt of another episode: the system text and the subgoal within an
-episode, the whole history when ``rollout.history`` keeps it in the prompt. Prompts are
-token ids built by appending (``engines.prompting``), never re-tokenised, so a prefix match
-is exact. Numbers with and without the cache are equal up to float rounding
+With ``prefix_cache`` (the default) every episode owns a row of a preallocated KV arena
+per adapter and version (``engines.kv``; a LoRA changes K and V, so nothing is shared
+across either). A new prompt runs only the tokens after the longest prefix it shares with
+what its row holds (its previous prompt, with the completion it generated) or with what a
+recent row of another episode holds: the system text and the subgoal within an episode,
+the whole history when ``rollout.history`` keeps it in the prompt. Score mode's candidates
+run in the same forward, behind the prompt, under a tree mask. Prompts are token ids built
+by appending (``engines.prompting``), never re-tokenised, so a prefix match is exact.
+Without ``prefix_cache`` each call runs its prompts whole (``agents.scoring``), the path
+the trainer recomputes on; numbers of the two agree up to float rounding
 (``tests/engines/test_hf.py`` checks it in float64).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Iterator
 
@@ -22,34 +24,28 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from hieragent.agents.scoring import PromptPass, continuation_logprobs, prompt_pass, token_logprobs
+from hieragent.agents.scoring import continuation_logprobs, prompt_pass, token_logprobs
 from hieragent.engines.base import (Engine, EngineSettings, Generation, Request, check_continuations, finished,
                                    one_adapter, one_sampling, per_request)
-
-KV = list[tuple[Tensor, Tensor]]  # per layer: keys, values [H, L, D]
-
-
-@dataclass
-class _Entry:
-    ids: np.ndarray  # [L] the prompt's token ids
-    kv: KV
+from hieragent.engines.kv import GROUPED, Arena, ArenaCall, Placement
 
 
 @dataclass
 class CacheStats:
-    """Tokens the engine ran (``computed``) and took from the cache (``reused``), and the
-    rows of logits it projected onto the vocabulary and used (``logit_rows``), summed."""
+    """Tokens the engine ran (``computed``) and took from the cache (``reused``), the rows
+    of logits it projected onto the vocabulary and used (``logit_rows``), and the
+    (query, key) pairs its attention took in per layer (``attended``), summed."""
 
     computed: int = 0
     reused: int = 0
     logit_rows: int = 0
+    attended: int = 0
     calls: int = 0
 
 
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
+def causal_pairs(n: int) -> int:
+    """(query, key) pairs of causal attention over ``n`` tokens."""
+    return n * (n + 1) // 2
 
 
 class HFEngine(Engine):
@@ -73,66 +69,37 @@ class HFEngine(Engine):
         super().__init__(settings, lag)
         self.lm, self.pad_id, self.eos_id = lm, pad_id, eos_id
         self.autocast = autocast
-        self._episodes: dict[tuple[str, int, Hashable], _Entry] = {}
-        self._recent: dict[tuple[str, int], deque[_Entry]] = {}
+        self._arenas: dict[tuple[str, int], Arena] = {}
         self.stats = CacheStats()
 
     # -- cache -------------------------------------------------------------------------
     def on_sync(self, version: int) -> None:
         keep = set(self.versions) - {version}  # a re-synced version has new weights
-        self._episodes = {k: e for k, e in self._episodes.items() if k[1] in keep}
-        self._recent = {k: d for k, d in self._recent.items() if k[1] in keep}
+        self._arenas = {k: a for k, a in self._arenas.items() if k[1] in keep}
 
     def end_episodes(self, episodes: list[Hashable]) -> None:
-        gone = set(episodes)
-        self._episodes = {k: e for k, e in self._episodes.items() if k[2] not in gone}
+        for arena in self._arenas.values():
+            for e in episodes:
+                arena.release(e)
 
     def clear(self) -> None:
         """Drop every cached prompt (the engine's weights may have changed without a sync)."""
-        self._episodes.clear()
-        self._recent.clear()
+        self._arenas.clear()
 
-    def _prefixes(self, adapter: str, requests: list[Request]) -> list[tuple[int, KV] | None]:
-        if not self.settings.prefix_cache:
-            return [None] * len(requests)
-        recent = self._recent.get((adapter, self.version), ())
-        out: list[tuple[int, KV] | None] = []
-        for r in requests:
-            ids = np.asarray(r.prompt_ids)
-            best, best_n = None, 0
-            own = self._episodes.get((adapter, self.version, r.episode)) if r.episode is not None else None
-            for entry in ([own] if own is not None else []) + list(recent):
-                n = common_prefix(ids, entry.ids)
-                if n > best_n:
-                    best, best_n = entry, n
-            best_n = min(best_n, len(r.prompt_ids) - 1)  # the last token must run: its logits
-            out.append((best_n, best.kv) if best is not None and best_n > 0 else None)
-        return out
+    def _arena(self, adapter: str) -> Arena:
+        key = (adapter, self.version)
+        if key not in self._arenas:
+            config = self._model().config
+            heads = config.num_attention_heads
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            param = next(self.lm.parameters())
+            self._arenas[key] = Arena(config.num_hidden_layers, getattr(config, "num_key_value_heads", heads),
+                                      head_dim, self.autocast or param.dtype, param.device,
+                                      self.settings.cache_prompts)
+        return self._arenas[key]
 
-    def _store(self, adapter: str, requests: list[Request], run: PromptPass) -> None:
-        if not self.settings.prefix_cache:
-            return
-        layers = run.cache.layers
-        recent = self._recent.setdefault((adapter, self.version), deque(maxlen=self.settings.cache_prompts))
-        for i, r in enumerate(requests):
-            where = run.mask[i].bool()
-            kv = [(layer.keys[i][:, where], layer.values[i][:, where]) for layer in layers]  # [H, L, D]
-            entry = _Entry(np.asarray(r.prompt_ids), kv)
-            if r.episode is not None:
-                self._episodes[(adapter, self.version, r.episode)] = entry
-            if recent.maxlen:
-                recent.append(entry)
-
-    def _prompts(self, adapter: str, requests: list[Request]) -> PromptPass:
-        prefixes = self._prefixes(adapter, requests)
-        run = prompt_pass(self.lm, [r.prompt_ids for r in requests], self.pad_id, prefixes)
-        reused = sum(p[0] for p in prefixes if p is not None)
-        self.stats.reused += reused
-        self.stats.computed += sum(len(r.prompt_ids) for r in requests) - reused
-        self.stats.calls += 1
-        self.stats.logit_rows += len(requests)
-        self._store(adapter, requests, run)
-        return run
+    def _model(self) -> torch.nn.Module:
+        return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
 
     @contextlib.contextmanager
     def _running(self, adapter: str) -> Iterator[None]:
@@ -144,54 +111,214 @@ class HFEngine(Engine):
         with torch.no_grad(), cast:
             yield
 
+    # -- the arena path ----------------------------------------------------------------
+    def _mask(self, visible: Tensor, lo: Tensor, cols: Tensor, width: int, dtype: torch.dtype) -> Tensor:
+        """``[B, 1, Q, width]``: query (b, q) sees columns ``< visible`` and ``lo .. cols``."""
+        c = torch.arange(width, device=cols.device)
+        seen = (c < visible[..., None]) | ((c >= lo[..., None]) & (c <= cols[..., None]))  # [B, Q, W]
+        self.stats.attended += int(seen[cols < width].sum())  # real queries only: padding's keys lie beyond
+        seen = seen[:, None]
+        if self._model().config._attn_implementation == "sdpa":
+            return seen
+        return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
+
+    def _forward(self, call: ArenaCall, ids: Tensor, positions: Tensor, cols: Tensor, visible: Tensor,
+                 lo: Tensor, width: int) -> Tensor:
+        """One forward of ``ids [B, Q]`` on the arena; returns the last hidden states ``[B, Q, E]``."""
+        call.set_queries(cols, width)
+        dtype = self.autocast or next(self.lm.parameters()).dtype
+        config = self._model().config
+        impl = config._attn_implementation
+        mask = self._mask(visible, lo, cols, width, dtype)
+        if impl == "sdpa":  # the same kernel, without repeating K and V per query head
+            config._attn_implementation_internal = GROUPED
+        try:
+            out = self._model().get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                              cache=call, use_cache=True)
+        finally:
+            config._attn_implementation_internal = impl
+        return out.last_hidden_state
+
+    def _logits(self, hidden: Tensor) -> Tensor:
+        return self._model().get_output_embeddings()(hidden)
+
+    def _prompt_block(self, requests: list[Request], placements: list[Placement],
+                      continuations: list[list[list[int]]] | None, extra: int) -> dict:
+        """The query block of one call: each row's new prompt tokens, then its candidates.
+
+        Returns ids, positions, target columns, visibility (``[B, Q]`` each), the width the
+        queries see, the arena columns the call needs (``extra`` more for decoding, one for
+        padding's keys), and for each row the query index of the prompt's last token and
+        each candidate's first query index.
+        """
+        rows = len(requests)
+        spans = []
+        for i, (r, p) in enumerate(zip(requests, placements)):
+            new = list(r.prompt_ids[p.reused:])
+            cands = continuations[i] if continuations is not None else []
+            spans.append((new, cands))
+        q = max(len(new) + sum(len(c) for c in cands) for new, cands in spans)
+        width = max(p.reused + len(new) + sum(len(c) for c in cands) for p, (new, cands) in zip(placements, spans))
+        columns = width + extra + 1
+        dump = columns - 1  # padding queries write their keys here, outside what anyone sees
+        ids = np.full((rows, q), self.pad_id, dtype=np.int64)
+        pos = np.zeros((rows, q), dtype=np.int64)
+        cols = np.full((rows, q), dump, dtype=np.int64)
+        visible = np.ones((rows, q), dtype=np.int64)  # padding sees column 0 only
+        lo = np.full((rows, q), dump, dtype=np.int64)
+        last, starts = [], []
+        for i, (p, (new, cands)) in enumerate(zip(placements, spans)):
+            n, u = p.reused, len(new)
+            length = n + u  # the whole prompt
+            ids[i, :u] = new
+            pos[i, :u] = np.arange(n, length)
+            cols[i, :u] = np.arange(n, length)
+            visible[i, :u] = cols[i, :u] + 1
+            lo[i, :u] = cols[i, :u]
+            last.append(u - 1)
+            at, row_starts = u, []
+            for c in cands:
+                k = len(c)
+                ids[i, at:at + k] = c
+                pos[i, at:at + k] = np.arange(length, length + k)
+                cols[i, at:at + k] = np.arange(n + at, n + at + k)
+                visible[i, at:at + k] = length
+                lo[i, at:at + k] = n + at
+                row_starts.append(at)
+                at += k
+            starts.append(row_starts)
+        device = next(self.lm.parameters()).device
+        t = {k: torch.from_numpy(v).to(device) for k, v in
+             dict(ids=ids, positions=pos, cols=cols, visible=visible, lo=lo).items()}
+        return dict(t, width=width, columns=columns, last=last, starts=starts)
+
+    def _call(self, adapter: str, requests: list[Request], extra: int = 0,
+              continuations: list[list[list[int]]] | None = None):
+        arena = self._arena(adapter)
+        placements = arena.place(requests, [len(r.prompt_ids) - 1 for r in requests])
+        block = self._prompt_block(requests, placements, continuations, extra)
+        arena.reserve(arena.slots, block["columns"])
+        call = ArenaCall(arena, [p.slot for p in placements], block["columns"])
+        hidden = self._forward(call, block["ids"], block["positions"], block["cols"], block["visible"],
+                               block["lo"], block["width"])
+        reused = sum(p.reused for p in placements)
+        self.stats.reused += reused
+        self.stats.computed += sum(len(r.prompt_ids) for r in requests) - reused
+        self.stats.calls += 1
+        return arena, placements, call, block, hidden
+
     # -- acting ------------------------------------------------------------------------
     def score(self, requests: list[Request], continuations: list[list[list[int]]]) -> list[list[Tensor]]:
         if not requests:
             return []
         check_continuations(continuations)
         adapter = one_adapter(requests)
+        if not self.settings.prefix_cache:
+            return self._score_whole(adapter, requests, continuations)
         with self._running(adapter):
-            run = self._prompts(adapter, requests)
-            flat = [c for cands in continuations for c in cands]
-            rows = [i for i, cands in enumerate(continuations) for _ in cands]
-            self.stats.computed += sum(len(c) for c in flat)
-            self.stats.logit_rows += sum(len(c) - 1 for c in flat)
-            per_token = continuation_logprobs(self.lm, [r.prompt_ids for r in requests], flat, rows,
-                                              self.pad_id, prompt=run)
-        return per_request([t.float().cpu() for t in per_token], continuations)
+            arena, placements, call, block, hidden = self._call(adapter, requests, 0, continuations)
+            rows, qs, targets = [], [], []  # hidden rows that predict a candidate token
+            for i, (cands, starts) in enumerate(zip(continuations, block["starts"])):
+                for c, at in zip(cands, starts):
+                    rows += [i] * len(c)
+                    qs += [block["last"][i]] + list(range(at, at + len(c) - 1))
+                    targets += c
+            device = hidden.device
+            picked = hidden[torch.tensor(rows, device=device), torch.tensor(qs, device=device)]  # [T, E]
+            logps = token_logprobs(self._logits(picked), torch.tensor(targets, device=device)).float().cpu()
+            arena.record(placements, [r.prompt_ids for r in requests])
+        flat = [c for cands in continuations for c in cands]
+        self.stats.computed += sum(len(c) for c in flat)
+        self.stats.logit_rows += len(requests) + sum(len(c) - 1 for c in flat)
+        sizes = [len(c) for c in flat]
+        return per_request(list(torch.split(logps, sizes)), continuations)
 
     def generate(self, requests: list[Request], generator: torch.Generator | None = None) -> list[Generation]:
         """Sample up to ``max_new_tokens`` per request, one token per step on the cache."""
         if not requests:
             return []
         adapter, sampling = one_sampling(requests)
+        if not self.settings.prefix_cache:
+            return self._generate_whole(adapter, sampling, requests, generator)
         with self._running(adapter):
-            run = self._prompts(adapter, requests)
+            arena, placements, call, block, hidden = self._call(adapter, requests, sampling.max_new_tokens)
+            device = hidden.device
+            rows = torch.arange(len(requests), device=device)
+            logits = self._logits(hidden[rows, torch.tensor(block["last"], device=device)])  # [B, V]
+            self.stats.logit_rows += len(requests)
+            lengths = torch.tensor([len(r.prompt_ids) for r in requests], device=device)  # [B]
+            fed: list[Tensor] = []
+
+            def step(token: Tensor) -> Tensor:
+                cols = (lengths + len(fed))[:, None]  # [B, 1]
+                fed.append(token)
+                width = int(cols.max()) + 1
+                h = self._forward(call, token[:, None], cols, cols, cols + 1, cols, width)
+                return self._logits(h[:, -1])
+
+            tokens, logps = self._decode(logits, sampling, generator, step)
+            grown = torch.stack(fed, 1).tolist() if fed else [[] for _ in requests]
+            arena.record(placements, [list(r.prompt_ids) + g for r, g in zip(requests, grown)])
+        return [finished(row, lp, self.eos_id) for row, lp in zip(tokens, logps)]
+
+    def _decode(self, logits: Tensor, sampling, generator, step) -> tuple[list[list[int]], list[list[float]]]:
+        """The sampling loop: ``step(token [B])`` runs the sampled tokens and returns the next logits."""
+        rows = logits.shape[0]
+        device = logits.device
+        tokens, logps = [], []
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        for t in range(sampling.max_new_tokens):
+            scaled = logits.float() / sampling.temperature  # [B, V]
+            if sampling.greedy:
+                token = scaled.argmax(-1)  # [B]
+            else:
+                probs = torch.softmax(scaled, -1)
+                token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
+            token = torch.where(done, torch.full_like(token, self.eos_id), token)
+            tokens.append(token)
+            logps.append(token_logprobs(logits, token, sampling.temperature))  # [B]
+            done = done | (token == self.eos_id)
+            if bool(done.all()) or t == sampling.max_new_tokens - 1:
+                break
+            active = rows - int(done.sum())
+            self.stats.computed += active
+            self.stats.logit_rows += active
+            logits = step(token)
+        return torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).float().cpu().tolist()
+
+    # -- whole prompts (no cache): the trainer's own path ------------------------------
+    def _score_whole(self, adapter, requests, continuations) -> list[list[Tensor]]:
+        with self._running(adapter):
+            prompts = [r.prompt_ids for r in requests]
+            run = prompt_pass(self.lm, prompts, self.pad_id)
+            flat = [c for cands in continuations for c in cands]
+            self.stats.attended += sum(causal_pairs(len(p)) for p in prompts) + sum(
+                causal_pairs(len(c)) + len(c) * len(prompts[i]) for i, cands in enumerate(continuations) for c in cands)
+            rows = [i for i, cands in enumerate(continuations) for _ in cands]
+            self.stats.computed += sum(len(p) for p in prompts) + sum(len(c) for c in flat)
+            self.stats.logit_rows += len(requests) + sum(len(c) - 1 for c in flat)
+            self.stats.calls += 1
+            per_token = continuation_logprobs(self.lm, prompts, flat, rows, self.pad_id, prompt=run)
+        return per_request([t.float().cpu() for t in per_token], continuations)
+
+    def _generate_whole(self, adapter, sampling, requests, generator) -> list[Generation]:
+        with self._running(adapter):
+            run = prompt_pass(self.lm, [r.prompt_ids for r in requests], self.pad_id)
+            self.stats.computed += sum(len(r.prompt_ids) for r in requests)
+            self.stats.attended += sum(causal_pairs(len(r.prompt_ids)) for r in requests)
+            self.stats.logit_rows += len(requests)
+            self.stats.calls += 1
             device = run.last_logits.device
-            logits, cache, mask, position = run.last_logits, run.cache, run.mask, run.lengths
-            rows = len(requests)
-            tokens, logps = [], []
-            done = torch.zeros(rows, dtype=torch.bool, device=device)
-            for step in range(sampling.max_new_tokens):
-                scaled = logits.float() / sampling.temperature  # [B, V]
-                if sampling.greedy:
-                    token = scaled.argmax(-1)  # [B]
-                else:
-                    probs = torch.softmax(scaled, -1)
-                    token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
-                token = torch.where(done, torch.full_like(token, self.eos_id), token)
-                tokens.append(token)
-                logps.append(token_logprobs(logits, token, sampling.temperature))  # [B]
-                done = done | (token == self.eos_id)
-                if bool(done.all()) or step == sampling.max_new_tokens - 1:
-                    break
-                active = rows - int(done.sum())
-                self.stats.computed += active
-                self.stats.logit_rows += active
-                mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], 1)
-                out = self.lm(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
-                              cache=cache, use_cache=True)
-                logits, cache, position = out.logits[:, -1], out.cache, position + 1
-        ids = torch.stack(tokens, 1).tolist()  # [B, T]
-        lps = torch.stack(logps, 1).float().cpu().tolist()  # [B, T]
-        return [finished(row, lp, self.eos_id) for row, lp in zip(ids, lps)]
+            state = {"cache": run.cache, "mask": run.mask, "position": run.lengths}
+
+            def step(token: Tensor) -> Tensor:
+                self.stats.attended += int(state["mask"].sum()) + len(requests)
+                state["mask"] = torch.cat([state["mask"], torch.ones((len(requests), 1), dtype=state["mask"].dtype,
+                                                                     device=device)], 1)
+                out = self.lm(input_ids=token[:, None], attention_mask=state["mask"],
+                              position_ids=state["position"][:, None], cache=state["cache"], use_cache=True)
+                state["cache"], state["position"] = out.cache, state["position"] + 1
+                return out.logits[:, -1]
+
+            tokens, logps = self._decode(run.last_logits, sampling, generator, step)
+        return [finished(row, lp, self.eos_id) for row, lp in zip(tokens, logps)]

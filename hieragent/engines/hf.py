@@ -27,7 +27,7 @@ from torch import Tensor
 from hieragent.agents.scoring import continuation_logprobs, prompt_pass, token_logprobs
 from hieragent.engines.base import (Engine, EngineSettings, Generation, Request, check_continuations, finished,
                                    one_adapter, one_sampling, per_request)
-from hieragent.engines.kv import GROUPED, Arena, ArenaCall, Placement
+from hieragent.engines.kv import GROUPED, Arena, ArenaCall, Placement, packed
 
 
 @dataclass
@@ -112,32 +112,34 @@ class HFEngine(Engine):
             yield
 
     # -- the arena path ----------------------------------------------------------------
-    def _mask(self, visible: Tensor, lo: Tensor, cols: Tensor, width: int, dtype: torch.dtype) -> Tensor:
+    def _mask(self, visible: Tensor, lo: Tensor, cols: Tensor, real: Tensor, width: int) -> Tensor:
         """``[B, 1, Q, width]``: query (b, q) sees columns ``< visible`` and ``lo .. cols``."""
         c = torch.arange(width, device=cols.device)
         seen = (c < visible[..., None]) | ((c >= lo[..., None]) & (c <= cols[..., None]))  # [B, Q, W]
-        self.stats.attended += int(seen[cols < width].sum())  # real queries only: padding's keys lie beyond
-        seen = seen[:, None]
-        if self._model().config._attn_implementation == "sdpa":
-            return seen
-        return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
+        self.stats.attended += int(seen[real].sum())
+        return seen[:, None]
 
     def _forward(self, call: ArenaCall, ids: Tensor, positions: Tensor, cols: Tensor, visible: Tensor,
-                 lo: Tensor, width: int) -> Tensor:
-        """One forward of ``ids [B, Q]`` on the arena; returns the last hidden states ``[B, Q, E]``."""
-        call.set_queries(cols, width)
-        dtype = self.autocast or next(self.lm.parameters()).dtype
+                 lo: Tensor, real: Tensor, width: int) -> Tensor:
+        """One forward of the ``real`` entries of ``ids [B, Q]`` on the arena, packed into one
+        sequence; returns the last hidden states ``[B, Q, E]`` (zeros where not real)."""
+        rows, qs = real.nonzero(as_tuple=True)  # row-major: each row's tokens in order
+        call.set_queries(rows, qs, cols[rows, qs], ids.shape[1], width)
+        mask = self._mask(visible, lo, cols, real, width)
         config = self._model().config
         impl = config._attn_implementation
-        mask = self._mask(visible, lo, cols, width, dtype)
-        if impl == "sdpa":  # the same kernel, without repeating K and V per query head
-            config._attn_implementation_internal = GROUPED
+        config._attn_implementation_internal = GROUPED  # unpacks the rows; K/V not repeated per head
         try:
-            out = self._model().get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                              cache=call, use_cache=True)
+            with packed(call):
+                out = self._model().get_decoder()(input_ids=ids[rows, qs][None], attention_mask=mask,
+                                                  position_ids=positions[rows, qs][None], cache=call,
+                                                  use_cache=True)
         finally:
             config._attn_implementation_internal = impl
-        return out.last_hidden_state
+        hidden = out.last_hidden_state[0]  # [T, E]
+        full = hidden.new_zeros((*ids.shape, hidden.shape[-1]))
+        full[rows, qs] = hidden
+        return full
 
     def _logits(self, hidden: Tensor) -> Tensor:
         return self._model().get_output_embeddings()(hidden)
@@ -160,7 +162,7 @@ class HFEngine(Engine):
         q = max(len(new) + sum(len(c) for c in cands) for new, cands in spans)
         width = max(p.reused + len(new) + sum(len(c) for c in cands) for p, (new, cands) in zip(placements, spans))
         columns = width + extra + 1
-        dump = columns - 1  # padding queries write their keys here, outside what anyone sees
+        dump = columns - 1  # marks padding, which does not run
         ids = np.full((rows, q), self.pad_id, dtype=np.int64)
         pos = np.zeros((rows, q), dtype=np.int64)
         cols = np.full((rows, q), dump, dtype=np.int64)
@@ -188,8 +190,9 @@ class HFEngine(Engine):
                 at += k
             starts.append(row_starts)
         device = next(self.lm.parameters()).device
+        real = cols != dump
         t = {k: torch.from_numpy(v).to(device) for k, v in
-             dict(ids=ids, positions=pos, cols=cols, visible=visible, lo=lo).items()}
+             dict(ids=ids, positions=pos, cols=cols, visible=visible, lo=lo, real=real).items()}
         return dict(t, width=width, columns=columns, last=last, starts=starts)
 
     def _call(self, adapter: str, requests: list[Request], extra: int = 0,
@@ -200,7 +203,7 @@ class HFEngine(Engine):
         arena.reserve(arena.slots, block["columns"])
         call = ArenaCall(arena, [p.slot for p in placements], block["columns"])
         hidden = self._forward(call, block["ids"], block["positions"], block["cols"], block["visible"],
-                               block["lo"], block["width"])
+                               block["lo"], block["real"], block["width"])
         reused = sum(p.reused for p in placements)
         self.stats.reused += reused
         self.stats.computed += sum(len(r.prompt_ids) for r in requests) - reused
@@ -247,13 +250,14 @@ class HFEngine(Engine):
             logits = self._logits(hidden[rows, torch.tensor(block["last"], device=device)])  # [B, V]
             self.stats.logit_rows += len(requests)
             lengths = torch.tensor([len(r.prompt_ids) for r in requests], device=device)  # [B]
+            every = torch.ones((len(requests), 1), dtype=torch.bool, device=device)
             fed: list[Tensor] = []
 
             def step(token: Tensor) -> Tensor:
                 cols = (lengths + len(fed))[:, None]  # [B, 1]
                 fed.append(token)
                 width = int(cols.max()) + 1
-                h = self._forward(call, token[:, None], cols, cols, cols + 1, cols, width)
+                h = self._forward(call, token[:, None], cols, cols, cols + 1, cols, every, width)
                 return self._logits(h[:, -1])
 
             tokens, logps = self._decode(logits, sampling, generator, step)

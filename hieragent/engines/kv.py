@@ -18,9 +18,11 @@ either (``hf.HFEngine`` keeps one arena per pair).
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, Iterator
 
 import numpy as np
 import torch
@@ -185,13 +187,14 @@ class SlotLayer(CacheLayerMixin):
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         call = self.call
         keys, values = call.keys[self.layer], call.values[self.layer]
-        rows, cols = call.rows, call.cols  # [B, Q] each
-        keys[rows, :, cols] = key_states.transpose(1, 2).to(keys.dtype)  # [B, Q, H, D]
-        values[rows, :, cols] = value_states.transpose(1, 2).to(values.dtype)
+        new_k = key_states[0].transpose(0, 1).to(keys.dtype)  # packed [1, H, T, D] -> [T, H, D]
+        new_v = value_states[0].transpose(0, 1).to(values.dtype)
+        keys[call.rows, :, call.cols] = new_k
+        values[call.rows, :, call.cols] = new_v
         if call.gathered:  # a copy of the rows: the arena gets the new columns too
-            slots = call.slots[rows]
-            call.arena.keys[self.layer][slots, :, cols] = key_states.transpose(1, 2).to(keys.dtype)
-            call.arena.values[self.layer][slots, :, cols] = value_states.transpose(1, 2).to(values.dtype)
+            slots = call.slots[call.rows]
+            call.arena.keys[self.layer][slots, :, call.cols] = new_k
+            call.arena.values[self.layer][slots, :, call.cols] = new_v
         return keys[:, :, : call.width], values[:, :, : call.width]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -208,8 +211,12 @@ class ArenaCall(Cache):
     """The cache a forward of one engine call runs on: the arena's rows of the call's slots
     (a view when they are consecutive, else a gathered copy kept in step with the arena).
 
-    Before each forward the caller sets ``cols`` (``[B, Q]``: the column each query's key
-    goes to) and ``width`` (the columns the queries may see); the mask says which."""
+    The forward runs the call's tokens packed into one sequence, with no padding, so the
+    weight matmuls see real tokens only. Before each forward the caller sets, per packed
+    token, its row and its column (``set_queries``), and the width the queries may see;
+    attention unpacks the queries into rows (``grouped_attention``) and a 4D mask says
+    which columns each sees.
+    """
 
     def __init__(self, arena: Arena, slots: list[int], columns: int) -> None:
         self.arena = arena
@@ -222,18 +229,30 @@ class ArenaCall(Cache):
         else:
             self.keys = [k[first:first + len(slots)] for k in arena.keys]
             self.values = [v[first:first + len(slots)] for v in arena.values]
-        self.rows = torch.zeros((len(slots), 1), dtype=torch.long, device=arena.device)
-        self.cols = self.rows
-        self.width = 0
+        self.rows = self.cols = self.qs = torch.zeros(0, dtype=torch.long, device=arena.device)
+        self.width = self.queries = 0
         super().__init__(layers=[SlotLayer(self, i) for i in range(len(arena.keys))])
 
-    def set_queries(self, cols: Tensor, width: int) -> None:
-        self.cols = cols
-        self.rows = torch.arange(cols.shape[0], device=cols.device)[:, None].expand_as(cols)
-        self.width = width
+    def set_queries(self, rows: Tensor, qs: Tensor, cols: Tensor, queries: int, width: int) -> None:
+        """Packed token ``t`` is query ``qs[t]`` of row ``rows[t]``; its key goes to column
+        ``cols[t]``; rows have ``queries`` query slots and see ``width`` columns."""
+        self.rows, self.qs, self.cols, self.queries, self.width = rows, qs, cols, queries, width
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width
+
+
+_PACKED: ContextVar[ArenaCall | None] = ContextVar("hieragent_packed_call", default=None)
+
+
+@contextlib.contextmanager
+def packed(call: ArenaCall) -> Iterator[None]:
+    """Inside the block, ``grouped_attention`` unpacks the queries by ``call``'s layout."""
+    token = _PACKED.set(call)
+    try:
+        yield
+    finally:
+        _PACKED.reset(token)
 
 
 def grouped_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -244,8 +263,21 @@ def grouped_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value
     transformers' ``sdpa`` repeats every key/value head for each of its query heads when a
     mask is given (``repeat_kv``), a copy of the whole cache per layer and forward. Here the
     query heads of one KV head are stacked along the query axis instead, and the mask with
-    them, so attention runs on the KV heads as they are. Same numbers, no copy.
+    them, so attention runs on the KV heads as they are. Same numbers, no copy. Inside
+    ``packed(call)`` the queries come packed as one sequence and are unpacked into rows.
     """
+    call = _PACKED.get()
+    if call is not None:  # packed tokens [1, H, T, D] -> rows [B, H, Q, D]
+        heads, dim = query.shape[1], query.shape[3]
+        rows = query.new_zeros((key.shape[0], call.queries, heads, dim))
+        rows[call.rows, call.qs] = query[0].transpose(0, 1)
+        out, _ = _grouped(rows.transpose(1, 2), key, value, attention_mask, dropout, scaling)  # [B, Q, H, D]
+        return out[call.rows, call.qs][None], None  # [1, T, H, D]
+    return _grouped(query, key, value, attention_mask, dropout, scaling)
+
+
+def _grouped(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, dropout: float,
+             scaling: float | None) -> tuple[Tensor, None]:
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads

@@ -75,6 +75,24 @@ def matmul_peak(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0) -> f
     return best
 
 
+def attention_peak(dtype: torch.dtype, rows: int = 8, queries: int = 194, keys: int = 2000,
+                   seconds: float = 1.0) -> float:
+    """Best GFLOP/s of masked SDPA in ``dtype`` at a history turn's shape (SmolLM2's 3 KV heads
+    of 3 query heads each, ``queries`` new tokens per row over ``keys`` keys), now."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, 3, 3 * queries, 64, generator=g).to(dtype)
+    k = torch.randn(rows, 3, keys, 64, generator=g).to(dtype)
+    mask = torch.ones(rows, 1, 3 * queries, keys, dtype=torch.bool)
+    attend = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask)  # noqa: E731
+    attend()
+    best, start = 0.0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t = time.perf_counter()
+        attend()
+        best = max(best, 4 * rows * 9 * queries * keys * 64 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
 def forward_seconds(lm, autocast: torch.dtype | None, rows: int = 8, length: int = 128) -> float:
     """Best of 3 forwards over ``rows x length`` tokens (no grad), under ``autocast``."""
     ids = torch.randint(0, 1000, (rows, length), generator=torch.Generator().manual_seed(0))
@@ -264,6 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
     peak = matmul_peak(dtype)
     peaks = {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16, seconds=0.5)}
     forwards = {"32-true": forward_seconds(lm, None), "bf16-mixed": forward_seconds(lm, torch.bfloat16)}
+    attention = {"float32": attention_peak(torch.float32), "bfloat16": attention_peak(torch.bfloat16)}
     plan = [("engine", m, n, a.turns, h, False) for n in a.envs for m in a.modes for h in (0, a.history)]
     plan += [(f"naive {m}", m, a.baseline_envs, a.baseline_turns, h, True) for m in a.modes
              for h in ((0,) if m == "score" else (a.history,))]
@@ -287,9 +306,11 @@ def main(argv: list[str] | None = None) -> dict:
              f"bf16 {peaks['bfloat16']:.0f}); {os.cpu_count()} CPUs, torch {torch.__version__}")
     console.print(table(rows, title))
     console.print(f"forward of 8 x 128 tokens: fp32 {forwards['32-true']:.2f} s, bf16 autocast "
-                  f"{forwards['bf16-mixed']:.2f} s ({forwards['32-true'] / forwards['bf16-mixed']:.2f}x)")
+                  f"{forwards['bf16-mixed']:.2f} s ({forwards['32-true'] / forwards['bf16-mixed']:.2f}x); "
+                  f"masked attention at a history turn's shape: fp32 {attention['float32']:.0f} GFLOP/s, "
+                  f"bf16 {attention['bfloat16']:.0f} GFLOP/s")
     result = {"level": LEVEL, "model": model, "precision": precision, "reason": reason, "peak_gflops": peak,
-              "peaks": peaks, "forward_seconds": forwards, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+              "peaks": peaks, "attention_gflops": attention, "forward_seconds": forwards, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "rows": [asdict(r) for r in rows]}
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)

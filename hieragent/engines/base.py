@@ -32,11 +32,12 @@ class EngineSettings:
     """Settings of the acting engine (``model.engine_settings``).
 
     Attributes:
-        prefix_cache: HF engine: reuse the KV cache of the longest prompt prefix computed
-            before under the same adapter and version (the system text and mission within
-            an episode, the whole history with ``rollout.history``).
-        cache_prompts: HF engine: recent prompts kept for prefix reuse across episodes, per
-            adapter and version, besides each episode's own last prompt.
+        prefix_cache: HF engine: keep each episode's KV in place across calls and reuse the
+            longest prompt prefix computed before under the same adapter and version (the
+            system text and mission within an episode, the whole history with
+            ``rollout.history``); off, every call runs its prompts whole.
+        cache_prompts: HF engine: slots of ended episodes whose KV stays available for
+            prefix reuse by new episodes, per adapter and version, besides the live ones.
         gpu_memory_utilization: vLLM: fraction of GPU memory the engine may take.
         sleep: vLLM: release the engine's GPU memory while the trainer updates (sleep mode).
         max_model_len: vLLM: the longest prompt plus completion, in tokens.

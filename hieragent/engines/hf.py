@@ -86,6 +86,11 @@ class HFEngine(Engine):
         """Drop every cached prompt (the engine's weights may have changed without a sync)."""
         self._arenas.clear()
 
+    def sleep(self) -> None:
+        """The trainer updates: the arenas' memory goes back to it. The batch's episodes are
+        over, so only the prefixes new episodes would have shared (the system text) are lost."""
+        self._arenas.clear()
+
     def _arena(self, adapter: str) -> Arena:
         key = (adapter, self.version)
         if key not in self._arenas:

@@ -112,3 +112,19 @@ def test_grouped_attention_equals_attention_with_repeated_keys_in_float64():
     scores = (q @ kr.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))
     want = (torch.softmax(scores, -1) @ vr).transpose(1, 2)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+
+
+def test_sleep_hands_the_arenas_back_and_acting_resumes_unchanged(tiny_lm, tokenizer):
+    lm = tiny_lm.double()
+    cached, plain = pair(lm, tokenizer)
+    prompter = Prompter(tokenizer)
+    requests = [Request(prompter.prompt("executor", f"Subgoal: explore\nwall {e}", None)[0], "executor", episode=e)
+                for e in range(2)]
+    options = cands(tokenizer)
+    first = cached.score(requests, [options] * 2)
+    assert cached._arenas["executor", 0].keys[0].numel() > 0
+    cached.sleep()
+    assert cached._arenas == {}  # nothing held while the trainer updates
+    cached.wake()
+    assert_same(cached.score(requests, [options] * 2), first)
+    assert_same(first, plain.score(requests, [options] * 2))

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from hieragent.models.loading import set_offline
 from hieragent.precision import machine_precision
+from hieragent.strategies import check_strategy
 
 
 class HierAgentCLI(LightningCLI):
@@ -51,7 +52,8 @@ class HierAgentCLI(LightningCLI):
         self.config[sub]["model"] = given
 
     def before_instantiate_classes(self) -> None:
-        """A ``trainer.precision`` left unset (None) becomes the one that fits the machine.
+        """A strategy that cannot run here fails in one line (``strategies.check_strategy``);
+        a ``trainer.precision`` left unset (None) becomes the one that fits the machine.
 
         bf16 is fast on some of our machines and hundreds of times slower on others, so no
         fixed default suits all. The choice lands in the config, and so in the run's saved
@@ -59,7 +61,10 @@ class HierAgentCLI(LightningCLI):
         """
         config = self.config[self.subcommand] if self.subcommand else self.config
         trainer = config.get("trainer")
-        if trainer is None or trainer.get("precision") is not None:
+        if trainer is None:
+            return
+        check_strategy(trainer.get("strategy"), trainer.get("devices", "auto"), trainer.get("num_nodes", 1))
+        if trainer.get("precision") is not None:
             return
         precision, reason = machine_precision(trainer.get("accelerator", "auto"))
         trainer.precision = precision

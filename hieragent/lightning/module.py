@@ -139,6 +139,7 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
                 objective = dataclasses.replace(objective, tis_cap=engine_settings.tis_cap)
         self.save_hyperparameters()
         self.automatic_optimization = False
+        self._skipped_in_a_row = 0
         # checkpoints hold the adapters only, not the frozen base model
         self.strict_loading = False
         self.rollout_settings, self.objective, self.memory_settings = rollout, objective, memory
@@ -378,6 +379,13 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         step = guarded_step(opt, settings.max_grad_norm, scales, skip)
         if step.skipped is None:
             self.sync_engine()
+        self._skipped_in_a_row = self._skipped_in_a_row + 1 if step.skipped is not None else 0
+        limit = self.objective.max_skipped_steps
+        if limit and self._skipped_in_a_row >= limit:
+            raise ValueError(f"{self._skipped_in_a_row} optimizer steps in a row were skipped, the last for "
+                             f"{step.skipped}; stopping, since no step would ever reach trainer.max_steps "
+                             "(model.objective.max_skipped_steps sets the limit; the weights are those of "
+                             f"step {self.global_step})")
         if step.skipped is not None:
             log.warning("step %d: %s; the step is skipped", self.global_step, step.skipped)
             bad = {id(t) for t in culprits}

@@ -89,6 +89,10 @@ class ObjectiveSettings:
         max_grad_norm: Gradient clipping by norm, per optimizer param group (each adapter,
             the query adapter, the value head), so one group's large gradient never
             shrinks another's step; ``0`` turns it off.
+        max_skipped_steps: Consecutive skipped optimizer steps (non-finite losses or
+            gradients, or nothing to step on) after which ``fit`` stops with an error. A
+            skipped step is no optimizer step, so a run in which every step is skipped would
+            never reach ``trainer.max_steps``; ``0`` never stops.
     """
 
     level: Level = "turn"
@@ -107,8 +111,11 @@ class ObjectiveSettings:
     minibatch_turns: int | None = None
     micro_batch_turns: int = 32
     max_grad_norm: float = 1.0
+    max_skipped_steps: int = 20
 
     def __post_init__(self) -> None:
+        if self.max_skipped_steps < 0:
+            raise ValueError(f"model.objective.max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
         if self.level not in ("token", "turn", "sequence"):
             raise ValueError(f"model.objective.level must be token, turn or sequence, got {self.level!r}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:

@@ -206,3 +206,21 @@ def test_every_advantage_estimator_trains_in_a_real_run(tmp_path, advantage):
     if advantage.estimator == "gae":
         assert len(column(rows, "value/loss")) == 3  # the critic trains with the policies
         assert any(k.startswith("value_head.") for k in module.trainable_parameters())
+
+
+class PoisonedAlways(HierAgentModule):
+    """Every update's loss is non-finite: no step would ever be taken."""
+
+    def _update(self, batches):
+        for b in batches:
+            for turn in b.turns("executor"):
+                turn.advantage = 1e39  # finite in Python, inf in the float32 loss
+        return super()._update(batches)
+
+
+def test_a_fit_whose_every_step_is_skipped_stops_with_a_clear_error(tmp_path):
+    module = tiny_module(PoisonedAlways, objective=ObjectiveSettings(kl_coef=0.0, max_skipped_steps=3))
+    with pytest.raises(ValueError, match=r"3 optimizer steps in a row were skipped, the last for non-finite "
+                                         r"executor loss.*max_skipped_steps"):
+        fit(module, tmp_path, steps=2)  # without the limit this fit would never end
+    assert module.global_step == 0 and module._skipped_in_a_row == 3

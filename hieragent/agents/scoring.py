@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers import DynamicCache
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -72,45 +71,17 @@ class PromptPass:
     lengths: Tensor
 
 
-def prompt_pass(model: torch.nn.Module, prompts: list[list[int]], pad_id: int,
-                prefixes: list[tuple[int, list[tuple[Tensor, Tensor]]] | None] | None = None) -> PromptPass:
-    """Run ``prompts`` (each non-empty) through ``model`` and keep the cache.
+def prompt_pass(model: torch.nn.Module, prompts: list[list[int]], pad_id: int) -> PromptPass:
+    """Run ``prompts`` (each non-empty), left-padded, through ``model`` and keep the cache.
 
-    ``prefixes[i]``, if given, is ``(n, kv)``: the per-layer keys and values ``[H, n, D]`` of
-    prompt ``i``'s first ``n`` tokens, computed before under the same weights; only the rest
-    of the prompt is run. The batch cache is laid out ``[pad | prefix_i | pad | new_i]``, each
-    part left-padded, and positions count real tokens only, so a row's numbers do not depend
-    on its neighbours' lengths or on what was cached.
+    Positions count real tokens only, so a row's numbers do not depend on its neighbours'
+    lengths.
     """
     device = next(model.parameters()).device
-    done = [p[0] if p is not None else 0 for p in prefixes] if prefixes else [0] * len(prompts)
-    if any(n >= len(s) for n, s in zip(done, prompts)):
-        raise ValueError("a cached prefix must leave at least one prompt token to run")
-    ids, new_mask = left_pad([s[n:] for n, s in zip(done, prompts)], pad_id, device)  # [B, N]
+    ids, mask = left_pad(prompts, pad_id, device)  # [B, P]
     lengths = torch.tensor([len(s) for s in prompts], dtype=torch.long, device=device)  # [B]
-    width = max(done)
-    cache = None
-    if width > 0:
-        layers, ref = [], next(p[1] for p in prefixes if p is not None)  # shapes and dtype
-        for layer in range(len(ref)):
-            ref_k, ref_v = ref[layer]
-            keys = ref_k.new_zeros((len(prompts), ref_k.shape[0], width, ref_k.shape[2]))  # [B, H, C, D]
-            values = ref_v.new_zeros((len(prompts), ref_v.shape[0], width, ref_v.shape[2]))
-            for i, p in enumerate(prefixes):
-                if p is not None and p[0] > 0:
-                    keys[i, :, width - p[0]:] = p[1][layer][0][:, : p[0]]
-                    values[i, :, width - p[0]:] = p[1][layer][1][:, : p[0]]
-            layers.append((keys, values))
-        cache = DynamicCache(ddp_cache_data=layers)
-    cached_mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)  # [B, C]
-    for i, n in enumerate(done):
-        if n:
-            cached_mask[i, width - n:] = 1
-    mask = torch.cat([cached_mask, new_mask], dim=1)  # [B, C + N]
-    start = torch.tensor(done, dtype=torch.long, device=device)[:, None]  # [B, 1]
-    positions = start + (new_mask.cumsum(-1) - 1).clamp(min=0)  # [B, N]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                use_cache=True, logits_to_keep=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
     return PromptPass(out.logits[:, -1], out.cache, mask, lengths)
 
 

@@ -153,10 +153,10 @@ class HFEngine(Engine):
                       continuations: list[list[list[int]]] | None, extra: int) -> dict:
         """The query block of one call: each row's new prompt tokens, then its candidates.
 
-        Returns ids, positions, target columns, visibility (``[B, Q]`` each), the width the
-        queries see, the arena columns the call needs (``extra`` more for decoding, one for
-        padding's keys), and for each row the query index of the prompt's last token and
-        each candidate's first query index.
+        Returns ids, positions, target columns (-1: padding, which does not run), visibility
+        (``[B, Q]`` each), the width the queries see, the arena columns the call needs
+        (``extra`` more for decoding), and for each row the query index of the prompt's last
+        token and each candidate's first query index.
         """
         rows = len(requests)
         spans = []
@@ -166,13 +166,11 @@ class HFEngine(Engine):
             spans.append((new, cands))
         q = max(len(new) + sum(len(c) for c in cands) for new, cands in spans)
         width = max(p.reused + len(new) + sum(len(c) for c in cands) for p, (new, cands) in zip(placements, spans))
-        columns = width + extra + 1
-        dump = columns - 1  # marks padding, which does not run
         ids = np.full((rows, q), self.pad_id, dtype=np.int64)
         pos = np.zeros((rows, q), dtype=np.int64)
-        cols = np.full((rows, q), dump, dtype=np.int64)
+        cols = np.full((rows, q), -1, dtype=np.int64)
         visible = np.ones((rows, q), dtype=np.int64)  # padding sees column 0 only
-        lo = np.full((rows, q), dump, dtype=np.int64)
+        lo = np.full((rows, q), -1, dtype=np.int64)
         last, starts = [], []
         for i, (p, (new, cands)) in enumerate(zip(placements, spans)):
             n, u = p.reused, len(new)
@@ -195,15 +193,15 @@ class HFEngine(Engine):
                 at += k
             starts.append(row_starts)
         device = next(self.lm.parameters()).device
-        real = cols != dump
+        real = cols >= 0
         t = {k: torch.from_numpy(v).to(device) for k, v in
              dict(ids=ids, positions=pos, cols=cols, visible=visible, lo=lo, real=real).items()}
-        return dict(t, width=width, columns=columns, last=last, starts=starts)
+        return dict(t, width=width, columns=width + extra, last=last, starts=starts)
 
     def _call(self, adapter: str, requests: list[Request], extra: int = 0,
               continuations: list[list[list[int]]] | None = None):
         arena = self._arena(adapter)
-        placements = arena.place(requests, [len(r.prompt_ids) - 1 for r in requests])
+        placements = arena.place(requests)
         block = self._prompt_block(requests, placements, continuations, extra)
         arena.reserve(arena.slots, block["columns"])
         call = ArenaCall(arena, [p.slot for p in placements], block["columns"])

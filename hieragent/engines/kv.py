@@ -108,9 +108,9 @@ class Arena:
         for s in held[: max(0, len(held) - self.keep_free)]:
             self.ids[s] = None
 
-    def place(self, requests: list, limit: list[int]) -> list[Placement]:
-        """A slot and the reusable prefix for each request (``limit[i]``: at most that many
-        tokens may be reused: the last prompt token always runs, for its logits).
+    def place(self, requests: list) -> list[Placement]:
+        """A slot and the reusable prefix for each request (all but the last prompt token at
+        most: the last always runs, for its logits).
 
         A live episode keeps its slot. A new one takes the free slot holding the longest
         prefix of its prompt, or else the least recently freed slot, into which the longest
@@ -119,7 +119,7 @@ class Arena:
         """
         taken: set[int] = set()
         out: list[Placement] = []
-        for r, cap in zip(requests, limit):
+        for r in requests:
             ids = np.asarray(r.prompt_ids)
             own = self.owner.get(r.episode) if r.episode is not None else None
             if own in taken:
@@ -138,7 +138,7 @@ class Arena:
                 slot = best
             else:
                 slot = self._take(taken)
-            reused = min(best_n, cap)
+            reused = min(best_n, len(ids) - 1)
             if reused and best != slot:
                 self._copy(best, slot, reused)
             self.free.pop(slot, None)

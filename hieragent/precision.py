@@ -22,17 +22,23 @@ BF16_SPEEDUP = 1.5  # bf16 matmul over fp32 matmul needed to pick bf16 on a CPU 
 ENV = "HIERAGENT_PRECISION"
 
 
+def fastest(fn, seconds: float) -> float:
+    """The shortest time of one call of ``fn`` over about ``seconds`` of calls, after one
+    warm-up call: the least disturbed measurement on a shared machine."""
+    fn()
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def matmul_speedup(size: int = 512, seconds: float = 0.15) -> float:
     """Best bf16 matmul rate over best fp32 matmul rate on this CPU, measured now."""
     def best(dtype: torch.dtype) -> float:
         a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-        a @ b
-        fastest, start = float("inf"), time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            t = time.perf_counter()
-            a @ b
-            fastest = min(fastest, time.perf_counter() - t)
-        return fastest
+        return fastest(lambda: a @ b, seconds)
     return best(torch.float32) / best(torch.bfloat16)
 
 

@@ -54,7 +54,7 @@ from hieragent.memory.bank import MemoryBank
 from hieragent.memory.settings import MemorySettings
 from hieragent.models.loading import load_causal_lm, load_tokenizer
 from hieragent.models.lora import LoraSettings, add_adapters
-from hieragent.precision import autocast_dtype, resolve_precision
+from hieragent.precision import autocast_dtype, fastest, resolve_precision
 from hieragent.rollout.loop import RolloutSettings, collect
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,13 +66,7 @@ def matmul_peak(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0) -> f
     """Best GFLOP/s of a square matmul in ``dtype`` on this machine, now."""
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
-    a @ b  # warm-up
-    best, start = 0.0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        t = time.perf_counter()
-        a @ b
-        best = max(best, 2 * size ** 3 / (time.perf_counter() - t) / 1e9)
-    return best
+    return 2 * size ** 3 / fastest(lambda: a @ b, seconds) / 1e9
 
 
 def attention_peak(dtype: torch.dtype, rows: int = 8, queries: int = 194, keys: int = 2000,
@@ -83,14 +77,9 @@ def attention_peak(dtype: torch.dtype, rows: int = 8, queries: int = 194, keys: 
     q = torch.randn(rows, 3, 3 * queries, 64, generator=g).to(dtype)
     k = torch.randn(rows, 3, keys, 64, generator=g).to(dtype)
     mask = torch.ones(rows, 1, 3 * queries, keys, dtype=torch.bool)
-    attend = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask)  # noqa: E731
-    attend()
-    best, start = 0.0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        t = time.perf_counter()
-        attend()
-        best = max(best, 4 * rows * 9 * queries * keys * 64 / (time.perf_counter() - t) / 1e9)
-    return best
+    seconds_per_call = fastest(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask),
+                               seconds)
+    return 4 * rows * 9 * queries * keys * 64 / seconds_per_call / 1e9
 
 
 def forward_seconds(lm, autocast: torch.dtype | None, rows: int = 8, length: int = 128) -> float:

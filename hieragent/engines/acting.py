@@ -11,6 +11,7 @@ import torch
 from hieragent.agents.scoring import candidate_softmax
 from hieragent.engines.base import Engine, Request, Sampling
 from hieragent.engines.prompting import Prompter
+from hieragent.sampling import Randomness, row_generator
 from hieragent.types import Turn
 
 
@@ -28,7 +29,7 @@ class Agent:
 
 def act(engine: Engine, policy, prompts: list[list[int]], options: list[list[str]],
         episodes: list[Hashable] | None = None, greedy: bool = False,
-        generator: torch.Generator | None = None) -> list[Turn]:
+        generator: Randomness = None) -> list[Turn]:
     """One turn of ``policy`` per prompt, with behaviour log-probs and the engine's version.
 
     Args:
@@ -38,7 +39,8 @@ def act(engine: Engine, policy, prompts: list[list[int]], options: list[list[str
         options: Score mode: each env's candidate strings (generate mode ignores them).
         episodes: The episode of each prompt, for the engine's cache.
         greedy: Take the most likely candidate or token (evaluation).
-        generator: Randomness of the sampling.
+        generator: Randomness of the sampling: one generator, or one per prompt
+            (``hieragent.sampling``).
     """
     if not prompts:
         return []
@@ -55,11 +57,11 @@ def act(engine: Engine, policy, prompts: list[list[int]], options: list[list[str
         logps = candidate_softmax([t for row in per_token for t in row], [len(c) for c in cand_ids],
                                   policy.temperature, policy.score_reduction)
         turns = []
-        for prompt, opts, cands, lp in zip(prompts, options, cand_ids, logps):
+        for j, (prompt, opts, cands, lp) in enumerate(zip(prompts, options, cand_ids, logps)):
             if greedy:
                 choice = int(lp.argmax())
             else:
-                choice = int(torch.multinomial(lp.exp().cpu(), 1, generator=generator))
+                choice = int(torch.multinomial(lp.exp().cpu(), 1, generator=row_generator(generator, j)))
             turns.append(Turn(role=policy.role, prompt_ids=prompt, action_ids=cands[choice],
                               old_logprobs=[float(lp[choice])], text=opts[choice],
                               policy_version=version, candidate_ids=cands, chosen=choice))

@@ -24,6 +24,8 @@ from typing import Hashable, Iterator, Literal
 import torch
 from torch import Tensor
 
+from hieragent.sampling import Randomness
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -195,7 +197,7 @@ class Engine:
                     p.copy_(current[n])
 
     # -- acting ------------------------------------------------------------------------
-    def generate(self, requests: list[Request], generator: torch.Generator | None = None) -> list[Generation]:
+    def generate(self, requests: list[Request], generator: Randomness = None) -> list[Generation]:
         raise NotImplementedError
 
     def score(self, requests: list[Request], continuations: list[list[list[int]]]) -> list[list[Tensor]]:

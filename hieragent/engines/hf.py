@@ -28,6 +28,7 @@ from hieragent.agents.scoring import continuation_logprobs, prompt_pass, token_l
 from hieragent.engines.base import (Engine, EngineSettings, Generation, Request, check_continuations, finished,
                                    one_adapter, one_sampling, per_request)
 from hieragent.engines.kv import GROUPED, Arena, ArenaCall, Placement, packed
+from hieragent.sampling import Randomness, draw
 
 
 @dataclass
@@ -239,7 +240,7 @@ class HFEngine(Engine):
         sizes = [len(c) for c in flat]
         return per_request(list(torch.split(logps, sizes)), continuations)
 
-    def generate(self, requests: list[Request], generator: torch.Generator | None = None) -> list[Generation]:
+    def generate(self, requests: list[Request], generator: Randomness = None) -> list[Generation]:
         """Sample up to ``max_new_tokens`` per request, one token per step on the cache."""
         if not requests:
             return []
@@ -279,8 +280,7 @@ class HFEngine(Engine):
             if sampling.greedy:
                 token = scaled.argmax(-1)  # [B]
             else:
-                probs = torch.softmax(scaled, -1)
-                token = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(device)
+                token = draw(torch.softmax(scaled, -1), generator, active=~done.cpu()).to(device)
             token = torch.where(done, torch.full_like(token, self.eos_id), token)
             tokens.append(token)
             logps.append(token_logprobs(logits, token, sampling.temperature))  # [B]

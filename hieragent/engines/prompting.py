@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 
 from hieragent.agents.prompts import EXECUTOR_SYSTEM, PLANNER_SYSTEM, executor_text, planner_text, system_text
 from hieragent.memory.retrieval import sample_retrievals
+from hieragent.sampling import Randomness
 from hieragent.types import Role
 
 SYSTEMS: dict[str, str] = {"planner": PLANNER_SYSTEM, "executor": EXECUTOR_SYSTEM}
@@ -144,7 +144,7 @@ def retrieval_query(mission: str, observation: str) -> str:
 
 
 def retrieve(bank, query_adapter, queries: list[str], settings, greedy: bool = False,
-             generator: torch.Generator | None = None) -> list[tuple[list[str], object]]:
+             generator: Randomness = None) -> list[tuple[list[str], object]]:
     """Skills to show per query, and the retrieval to train on (``None`` if not learned).
 
     ``settings`` is the ``RolloutSettings``: top-``retrieval_candidates`` from FAISS, ``k``

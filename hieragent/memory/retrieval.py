@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from hieragent.memory.adapter import QueryAdapter
 from hieragent.memory.bank import MemoryBank
+from hieragent.sampling import Randomness, draw
 from hieragent.types import Retrieval
 
 
@@ -126,7 +127,7 @@ def sample_retrievals(
     n: int,
     k: int,
     temperature: float,
-    generator: torch.Generator | None = None,
+    generator: Randomness = None,
     greedy: bool = False,
 ) -> list[tuple[list[str], Retrieval | None]]:
     """Retrieve for many queries at once (one encoder call): per query ``(texts, Retrieval)``.
@@ -136,7 +137,8 @@ def sample_retrievals(
         n: FAISS candidates per query (the support of the choice).
         k: Entries chosen per query, drawn in order without replacement; capped at the bank size.
         temperature: Softmax temperature over adapted cosine similarities.
-        generator: CPU generator for reproducible draws; ``None`` uses torch's global RNG.
+        generator: CPU generator for reproducible draws, or one per query
+            (``hieragent.sampling``); ``None`` uses torch's global RNG.
         greedy: Take the top-k by adapted similarity (evaluation, or retrieval learning off);
             ``old_logprob`` is still the Plackett–Luce log-probability of that order.
     Returns:
@@ -168,7 +170,7 @@ def sample_retrievals(
         remaining = logits.clone()
         draws = []
         for _ in range(k_eff):  # sequential Plackett–Luce draws, renormalised over what is left
-            pick = torch.multinomial(torch.softmax(remaining, dim=1), 1, generator=generator)  # [B, 1]
+            pick = draw(torch.softmax(remaining, dim=1), generator)[:, None]  # [B, 1]
             remaining.scatter_(1, pick, float("-inf"))
             draws.append(pick)
         chosen = torch.cat(draws, dim=1)  # [B, k]
@@ -198,7 +200,7 @@ def sample_retrieval(
     n: int,
     k: int,
     temperature: float,
-    generator: torch.Generator | None = None,
+    generator: Randomness = None,
     greedy: bool = False,
 ) -> tuple[list[str], Retrieval | None]:
     """One query's retrieval; see ``sample_retrievals``."""

@@ -15,12 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
 from hieragent.engines.acting import Agent, act
 from hieragent.engines.prompting import Dialogue, executor_state, planner_state, retrieval_query, retrieve
 from hieragent.envs.guards import ended_by_loop
 from hieragent.envs.pool import EnvPool
+from hieragent.sampling import Randomness, rows_of
 from hieragent.types import Trajectory, Turn
 
 
@@ -76,7 +75,7 @@ def collect(
     agent: Agent,
     settings: RolloutSettings,
     greedy: bool = False,
-    generator: torch.Generator | None = None,
+    generator: Randomness = None,
     on_step: Callable[[int], None] | None = None,
 ) -> list[Trajectory]:
     """Play one episode per env of ``pool`` (``len(seeds) == len(pool)``) to the end.
@@ -84,7 +83,8 @@ def collect(
     Episodes whose env failed (raised, or its worker hung or died: ``pool.failed``) are
     dropped from the result, so a batch can hold fewer trajectories than envs; the pool
     counts them in ``pool.dropped_episodes``. Every turn records the version
-    ``agent.engine`` served.
+    ``agent.engine`` served. ``generator``: one stream for the batch, or one per env
+    (``hieragent.sampling``), so that each episode samples from its own.
     """
     if len(seeds) != len(pool) or len(groups) != len(pool):
         raise ValueError(f"collect needs one seed and group per env: {len(pool)} envs, "
@@ -132,7 +132,7 @@ def _planner_turns(pool, states, idx, agent, settings, greedy, generator) -> Non
     if not idx:
         return
     queries = [retrieval_query(states[i].observation.mission, states[i].observation.text) for i in idx]
-    picked = retrieve(agent.bank, planner.query_adapter, queries, settings, greedy, generator)
+    picked = retrieve(agent.bank, planner.query_adapter, queries, settings, greedy, rows_of(generator, idx))
     options = [states[i].observation.subgoals for i in idx]
     show = options if planner.mode == "generate" else [None] * len(idx)
     built = [agent.prompter.planner_prompt(states[i].observation.mission, states[i].observation.text,
@@ -162,7 +162,7 @@ def _act(agent, policy, states, idx, options, built, greedy, generator) -> list[
     """The engine's turns on the ``(prompt, user block)`` pairs ``built``, and each episode's
     dialogue of this role extended by them (``rollout.history``)."""
     turns = act(agent.engine, policy, [p for p, _ in built], options,
-                [_episode(states[i]) for i in idx], greedy, generator)
+                [_episode(states[i]) for i in idx], greedy, rows_of(generator, idx))
     for (_, user), i, turn in zip(built, idx, turns):
         agent.prompter.remember(states[i].dialogues[policy.role], user, turn.action_ids)
     return turns

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from hieragent.models.loading import set_offline
 from hieragent.precision import machine_precision
-from hieragent.strategies import check_strategy
+from hieragent.strategies import RolloutDDPStrategy, check_strategy, process_count
 
 
 class HierAgentCLI(LightningCLI):
@@ -52,7 +52,8 @@ class HierAgentCLI(LightningCLI):
         self.config[sub]["model"] = given
 
     def before_instantiate_classes(self) -> None:
-        """A strategy that cannot run here fails in one line (``strategies.check_strategy``);
+        """A strategy that cannot run here fails in one line (``strategies.check_strategy``), and
+        ``ddp`` (or several devices) runs as ``strategies.RolloutDDPStrategy``;
         a ``trainer.precision`` left unset (None) becomes the one that fits the machine.
 
         bf16 is fast on some of our machines and hundreds of times slower on others, so no
@@ -63,7 +64,13 @@ class HierAgentCLI(LightningCLI):
         trainer = config.get("trainer")
         if trainer is None:
             return
-        check_strategy(trainer.get("strategy"), trainer.get("devices", "auto"), trainer.get("num_nodes", 1))
+        devices, nodes = trainer.get("devices", "auto"), trainer.get("num_nodes", 1)
+        self._rollout_ddp = check_strategy(trainer.get("strategy"), devices, nodes)
+        data = config.get("data")
+        if data is not None and data.get("eval_episodes") is not None:
+            from hieragent.lightning.datamodule import check_processes
+
+            check_processes(data.get("eval_episodes"), data.get("demos"), process_count(devices, nodes))
         if trainer.get("precision") is not None:
             return
         precision, reason = machine_precision(trainer.get("accelerator", "auto"))
@@ -75,10 +82,13 @@ class HierAgentCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any):
         from hieragent.lightning.callbacks import AtomicCheckpointIO
 
-        plugins = self._get(self.config_init, "trainer", default={}).get("plugins") or []
+        config = self._get(self.config_init, "trainer", default={})
+        plugins = config.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins = [*plugins, AtomicCheckpointIO()]
+        if getattr(self, "_rollout_ddp", False) and isinstance(config.get("strategy") or "auto", str):
+            kwargs["strategy"] = RolloutDDPStrategy()  # `ddp`, or `auto` on several devices
         trainer = super().instantiate_trainer(plugins=plugins, **kwargs)
         align_logger_versions(trainer.loggers)
         return trainer

@@ -1,24 +1,30 @@
-"""Which Lightning strategies hieragent can run here, checked before anything is built.
+"""Which Lightning strategies hieragent runs, checked before anything is built.
 
-A strategy that cannot run on this machine, or that hieragent does not support yet, fails at
-start with one line that names ``trainer.strategy`` and says what it needs, before a model
-is loaded or a log folder written:
+* One process (the default), on a CPU or one GPU.
+* ``ddp``: several processes, CPU (gloo) or GPU (NCCL), through ``RolloutDDPStrategy``.
+  ``trainer.strategy: ddp`` (or ``auto`` with several devices) is turned into it by the
+  CLI. It is Lightning's DDP with one change: gradients are not synced per backward pass.
+  The update runs one backward pass per role and micro-batch, each touching one adapter,
+  and the ranks run different numbers of them; DDP's reducer would either fail at once
+  ("parameters that were not used") or, with ``find_unused_parameters``, wait for ever on
+  collectives the ranks issue in different numbers. The module sums the gradients itself,
+  once per optimizer step (``lightning/distributed.py``).
+* FSDP and DeepSpeed are Lightning strategies for CUDA GPUs: without CUDA they fail at start
+  for that; with it, because hieragent does not support them yet.
 
-* FSDP and DeepSpeed are Lightning strategies for CUDA GPUs; on a machine without CUDA they
-  are refused for that, and on one with CUDA because, like DDP, they are not supported yet.
-* Several processes (``ddp`` and its variants, or ``trainer.devices`` / ``num_nodes`` above 1)
-  are refused for now. The trainer's update runs one backward pass per role and micro-batch,
-  each touching one adapter, so DDP's reducer either fails at once ("parameters that were
-  not used") or, with ``find_unused_parameters``, waits forever on collectives that the
-  ranks issue in different numbers. The bank and the replay buffer would also drift apart
-  per rank. The README's "One process, for now" says what the multi-process path needs.
+A refusal is one line naming ``trainer.strategy``, before a model is loaded or a folder
+written.
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+from hieragent.lightning.distributed import end_every_rank_on_signal
 
 _CUDA_ONLY = {"fsdp": "FSDP", "deepspeed": "DeepSpeed"}
 
@@ -34,6 +40,11 @@ def strategy_name(strategy: Any) -> str:
     return str(path).rsplit(".", 1)[-1].lower().removesuffix("strategy")
 
 
+def process_count(devices: Any = "auto", num_nodes: Any = 1) -> int:
+    """How many processes ``trainer.devices`` and ``trainer.num_nodes`` ask for."""
+    return _count(devices) * _count(num_nodes)
+
+
 def _count(value: Any) -> int:
     """How many devices a ``trainer.devices`` value asks for (``auto``/-1: unknown, taken as 1)."""
     if isinstance(value, (list, tuple)):
@@ -46,22 +57,71 @@ def _count(value: Any) -> int:
     return int(value) if isinstance(value, int) and value > 0 else 1
 
 
+# ``ddp`` names (and ``auto`` with several devices) that become ``RolloutDDPStrategy``;
+# spawn and fork start methods would pickle the module or fork a process that holds threads
+DDP_NAMES = ("ddp", "ddp_find_unused_parameters_false", "ddp_find_unused_parameters_true")
+
+
 def check_strategy(strategy: Any, devices: Any = "auto", num_nodes: Any = 1,
-                   cuda: bool | None = None) -> None:
-    """Raise ``ValueError`` (one line) if this strategy and device count cannot run here."""
+                   cuda: bool | None = None) -> bool:
+    """Raise ``ValueError`` (one line) if this strategy cannot run here; return whether the
+    run needs ``RolloutDDPStrategy`` (a ``ddp`` name, or several processes)."""
     name = strategy_name(strategy)
     cuda = torch.cuda.is_available() if cuda is None else cuda
     for key, label in _CUDA_ONLY.items():
         if name.startswith(key) and not cuda:
             raise ValueError(f"trainer.strategy: {name} is Lightning's {label} strategy and needs CUDA GPUs; "
-                             "this machine has none (use the default single-process strategy here)")
+                             "this machine has none (use ddp, or the default single-process strategy)")
         if name.startswith(key):
             raise ValueError(f"trainer.strategy: {name} ({label}) is not supported yet: it wraps the model and "
                              "syncs gradients per backward pass, and the trainer runs one per role and "
-                             "micro-batch; use the default single-process strategy")
-    processes = _count(devices) * _count(num_nodes)
-    if name.startswith("ddp") or processes > 1:
-        raise ValueError(f"trainer.strategy: {name} with {processes} process(es): training across processes is "
-                         "not supported yet (the per-role backward passes need their own gradient sync, and "
-                         "the bank and replay buffer are per process); run one process "
-                         "(trainer.devices 1, the default strategy)")
+                             "micro-batch; use ddp")
+    processes = process_count(devices, num_nodes)
+    if name == "rolloutddp":
+        return True
+    if name.startswith("ddp") and strategy is not None and not isinstance(strategy, str):
+        raise ValueError(f"trainer.strategy: Lightning's own {name} strategy syncs gradients per backward "
+                         "pass; give `ddp`, or class_path hieragent.strategies.RolloutDDPStrategy")
+    if name.startswith("ddp") and name not in DDP_NAMES:
+        raise ValueError(f"trainer.strategy: {name} is not supported: use ddp (one process launched per "
+                         "device); spawn and fork start methods are not")
+    if name not in ("auto", *DDP_NAMES) and processes > 1:
+        raise ValueError(f"trainer.strategy: {name} with {processes} processes is not supported: use ddp")
+    return name in DDP_NAMES or processes > 1
+
+
+class RolloutDDPStrategy(DDPStrategy):
+    """Lightning's DDP for hieragent's update: no gradient sync per backward pass (the module
+    sums gradients once per optimizer step), a timeout on every collective, and SIGTERM or
+    Ctrl-C ending every rank at once.
+
+    Args:
+        timeout_s: Seconds a collective may wait for the other ranks before it fails with the
+            rank and the stage. Ranks roll out between collectives, so this must exceed the
+            longest difference in rollout time between ranks.
+        **kwargs: Further arguments of Lightning's ``DDPStrategy``.
+    """
+
+    strategy_name = "rollout_ddp"
+
+    def __init__(self, timeout_s: float = 1800.0, **kwargs: Any) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"trainer.strategy timeout_s must be > 0, got {timeout_s}")
+        kwargs.setdefault("forward_sync_buffers", False)  # no buffer is trained; every rank has the same
+        super().__init__(timeout=timedelta(seconds=timeout_s), **kwargs)
+        self.timeout_s = timeout_s
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        end_every_rank_on_signal(lambda: list(getattr(self.launcher, "procs", None) or []))
+
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        # DDP's reducer would all-reduce during each backward pass; the module does it once
+        self.model.require_backward_grad_sync = False
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        """No reducer preparation: gradients are summed by the module (see the class doc)."""
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        """Nothing to finish: see ``pre_backward``."""

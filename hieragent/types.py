@@ -12,7 +12,7 @@ Conventions (the same names everywhere):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Role = Literal["planner", "executor"]
@@ -167,6 +167,17 @@ class Trajectory:
 
     def of(self, role: Role) -> list[Turn]:
         return [t for t in self.turns if t.role == role]
+
+    def summary(self) -> Trajectory:
+        """A copy without token ids, log-probs or retrieval vectors: what the bank's evolution
+        reads of an episode, small enough to send to every rank."""
+        def light(turn: Turn) -> Turn:
+            r = turn.retrieval
+            return replace(turn, prompt_ids=[], action_ids=[], old_logprobs=[], candidate_ids=None,
+                           trainer_logprobs=None,
+                           retrieval=None if r is None else replace(r, query=[], keys=[]))
+
+        return replace(self, turns=[light(t) for t in self.turns])
 
 
 @dataclass

@@ -17,17 +17,21 @@ from rich.table import Table
 import torch
 
 from hieragent.io import atomic_open, atomic_write_text
+from hieragent.lightning.distributed import all_sum, log_dir
 
 def summarise(batches) -> dict[str, float]:
-    """Success rate, mean return and mean episode length over evaluation batches."""
+    """Success rate, mean return and mean episode length over evaluation batches; across
+    processes, over every rank's episodes (each rank passes its own)."""
     episodes = [t for b in batches for t in b.trajectories]
-    n = max(len(episodes), 1)
+    n, success, ret, length, invalid = all_sum(
+        [len(episodes), sum(t.success for t in episodes), sum(t.env_return for t in episodes),
+         sum(t.length for t in episodes), sum(t.invalid_actions for t in episodes)], "evaluation summary").tolist()
     return {
-        "episodes": float(len(episodes)),
-        "success": sum(t.success for t in episodes) / n,
-        "return": sum(t.env_return for t in episodes) / n,
-        "length": sum(t.length for t in episodes) / n,
-        "invalid": sum(t.invalid_actions for t in episodes) / max(sum(t.length for t in episodes), 1),
+        "episodes": n,
+        "success": success / max(n, 1),
+        "return": ret / max(n, 1),
+        "length": length / max(n, 1),
+        "invalid": invalid / max(length, 1),
     }
 
 
@@ -72,8 +76,8 @@ class BeforeAfterEval(L.Callback):
                 table.add_row(label, f"{row['success']:.3f}", f"{row['return']:.3f}",
                               f"{row['length']:.1f}", f"{row['invalid']:.3f}")
         Console().print(table)
-        if trainer.log_dir:
-            atomic_write_text(Path(trainer.log_dir) / "eval_summary.json",
+        if log_dir(trainer):
+            atomic_write_text(Path(log_dir(trainer)) / "eval_summary.json",
                               json.dumps({"before": self.before, "after": self.after,
                                           "updates": trainer.global_step}, indent=2))
 
@@ -116,8 +120,8 @@ class LevelTable(L.Callback):
             table.add_row(env, f"{row['success']:.3f}", f"{row['return']:.3f}", f"{row['length']:.1f}",
                           f"{row['invalid']:.3f}")
         Console(width=max(Console().width, 110)).print(table)
-        if trainer.log_dir:
-            atomic_write_text(Path(trainer.log_dir) / f"{stage}_summary.json", json.dumps(rows, indent=2))
+        if log_dir(trainer):
+            atomic_write_text(Path(log_dir(trainer)) / f"{stage}_summary.json", json.dumps(rows, indent=2))
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

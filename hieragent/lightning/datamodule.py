@@ -5,6 +5,13 @@ Each training item is a ``Batch``: ``seeds_per_batch`` environment seeds, each p
 item, so they use the weights of that step. Evaluation plays seeds from a range disjoint
 from training, with a fixed sampling seed, so that "before" and "after" compare the same
 episodes.
+
+Across processes (``trainer.strategy: ddp``) each rank plays ``seeds_per_batch`` seeds of
+its own, as whole groups: rank ``r`` of ``R`` takes the ``r``-th block of the next
+``R x seeds_per_batch`` seeds, so the ranks together play what one process with
+``seeds_per_batch x R`` would. Held-out episodes are dealt round-robin over the ranks. With
+``episode_seeding`` every episode samples from a generator of its own, seeded from the run's
+seed and the episode's index, so it plays the same on whichever rank plays it.
 """
 
 from __future__ import annotations
@@ -18,7 +25,21 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from hieragent.envs.base import EVAL_SEED_OFFSET, check_env_name
 from hieragent.envs.pool import EnvPool
+from hieragent.lightning.distributed import world
+from hieragent.sampling import episode_generators
 from hieragent.types import Batch
+
+
+def check_processes(eval_episodes: int, demos: str | None, processes: int) -> None:
+    """What several processes need of the data: every rank evaluates at least one episode (a
+    rank without any would skip the collectives the others wait in), and no warm start,
+    whose supervised step syncs nothing across ranks."""
+    if eval_episodes < processes:
+        raise ValueError(f"data.eval_episodes ({eval_episodes}) must be at least the number of processes "
+                         f"({processes}): every rank evaluates its share")
+    if demos and processes > 1:
+        raise ValueError(f"data.demos: the supervised warm start runs in one process, not {processes}; run it "
+                         "alone and start the multi-process RL run from it with model.init_from")
 
 
 class _Rollouts(IterableDataset):
@@ -46,11 +67,11 @@ class RolloutDataModule(L.LightningDataModule):
         env: Environment name, e.g. ``BabyAI-GoToLocal-v0`` (see ``hieragent envs``).
         max_episode_steps: Step cap per episode; ``None`` keeps the level's own.
         invalid_penalty: Reward subtracted for an action that cannot be parsed or grounded.
-        seeds_per_batch: Distinct environment seeds per training batch.
+        seeds_per_batch: Distinct environment seeds per training batch, per process.
         group_size: Rollouts per seed (the GRPO group).
         batches_per_epoch: Training batches per epoch (an epoch is only a logging unit).
         train_seed: First training seed; seeds then advance and never repeat in a run.
-        eval_episodes: Held-out episodes per evaluation.
+        eval_episodes: Held-out episodes per evaluation, over all processes.
         eval_batch: Episodes played side by side during evaluation.
         eval_greedy: Evaluate with argmax choices instead of sampling.
         eval_sample_seed: Sampling seed of evaluation, so that evaluations are comparable.
@@ -69,6 +90,11 @@ class RolloutDataModule(L.LightningDataModule):
         loop_guard: End an episode, with ``loop_penalty``, when its last this-many steps
             repeat with a short period (see ``hieragent.envs.guards``); ``None`` is off.
         loop_penalty: Reward subtracted on the step the loop guard ends an episode.
+        episode_seeding: Sample each episode from its own generator, seeded from the run's
+            seed (``seed_everything``) and the episode's index and replica, so an episode is
+            the same whichever rank plays it and whatever else is in its batch. ``None``: on
+            across processes, off in one process, where one stream serves the whole batch
+            (the stream the README's single-process figures were measured with).
     """
 
     def __init__(
@@ -93,6 +119,7 @@ class RolloutDataModule(L.LightningDataModule):
         step_timeout: float | None = 60.0,
         loop_guard: int | None = None,
         loop_penalty: float = 1.0,
+        episode_seeding: bool | None = None,
     ) -> None:
         super().__init__()
         for name in [env, *(test_envs or [])]:
@@ -127,6 +154,17 @@ class RolloutDataModule(L.LightningDataModule):
         self._eval_pools: dict[str, EnvPool] = {}
         self._demos: list | None = None
         self._demo_order = torch.Generator().manual_seed(train_seed)
+        self._sample_seed = torch.initial_seed()
+
+    def setup(self, stage: str) -> None:
+        # after seed_everything (and, across processes, Lightning's re-seeding of each rank)
+        self._sample_seed = torch.initial_seed()
+        check_processes(self.hparams.eval_episodes, self.hparams.demos, world()[1])
+
+    def per_episode(self) -> bool:
+        """Whether episodes sample from generators of their own (``episode_seeding``)."""
+        chosen = self.hparams.episode_seeding
+        return world()[1] > 1 if chosen is None else bool(chosen)
 
     # -- pools -------------------------------------------------------------------------
     def train_pool(self) -> EnvPool:
@@ -159,10 +197,14 @@ class RolloutDataModule(L.LightningDataModule):
     def train_batch(self, module) -> Batch:
         """The next training batch, rolled out by ``module`` with its current weights."""
         g, s = self.hparams.group_size, self.hparams.seeds_per_batch
+        rank, processes = world()
+        # (episode index, replica): this rank's block of the next processes x s seeds
+        keys = [(self.next_seed + rank * s + j, i) for j in range(s) for i in range(g)]
+        self.next_seed += s * processes
         # training seeds wrap below the held-out range, so they never meet it
-        seeds = [self._train_seed(self.next_seed + j) for j in range(s) for _ in range(g)]
-        self.next_seed += s
-        return module.collect_train(self.train_pool(), seeds, groups=seeds)
+        seeds = [self._train_seed(k) for k, _ in keys]
+        generator = episode_generators(self._sample_seed, keys) if self.per_episode() else None
+        return module.collect_train(self.train_pool(), seeds, groups=seeds, generator=generator)
 
     def _train_seed(self, k: int) -> int:
         first, wrap = self.hparams.train_seed, self.hparams.train_seeds
@@ -186,20 +228,29 @@ class RolloutDataModule(L.LightningDataModule):
 
     def eval_batches(self, module, progress: Progress | None = None,
                      env: str | None = None) -> Iterator[Batch]:
-        """Held-out episodes of ``env`` (default ``data.env``), in chunks of ``eval_batch``,
-        with a fixed sampling seed."""
-        total, width = self.hparams.eval_episodes, self.hparams.eval_batch
+        """This rank's held-out episodes of ``env`` (default ``data.env``), in chunks of
+        ``eval_batch``, with a fixed sampling seed."""
+        width = self.hparams.eval_batch
+        mine = self._eval_indices()
         generator = torch.Generator().manual_seed(self.hparams.eval_sample_seed)
-        task = progress.add_task("evaluating", total=total) if progress is not None else None
+        task = progress.add_task("evaluating", total=len(mine)) if progress is not None else None
         done = 0
-        for start in range(0, total, width):
-            seeds = [EVAL_SEED_OFFSET + i for i in range(start, min(start + width, total))]
+        for start in range(0, len(mine), width):
+            chunk = mine[start:start + width]
+            seeds = [EVAL_SEED_OFFSET + i for i in chunk]
+            if self.per_episode():
+                generator = episode_generators(self.hparams.eval_sample_seed, [(i,) for i in chunk])
             pool = self.eval_pool(len(seeds), env)
             on_step = (lambda k, d=done: progress.update(task, completed=d + k)) if task is not None else None
             yield module.collect(pool, seeds, list(range(len(seeds))),
                                  greedy=self.hparams.eval_greedy, generator=generator,
                                  on_step=on_step)
             done += len(seeds)
+
+    def _eval_indices(self) -> list[int]:
+        """This rank's share of the held-out episodes, dealt round-robin."""
+        rank, processes = world()
+        return list(range(rank, self.hparams.eval_episodes, processes))
 
     # -- Lightning hooks ---------------------------------------------------------------
     def _module(self):
@@ -215,7 +266,7 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(data, batch_size=None, collate_fn=_identity, num_workers=0)
 
     def _eval_loader(self, env: str) -> DataLoader:
-        chunks = -(-self.hparams.eval_episodes // self.hparams.eval_batch)
+        chunks = -(-len(self._eval_indices()) // self.hparams.eval_batch)
         stream: dict[str, Iterator[Batch]] = {}
 
         def make(index: int) -> Batch:

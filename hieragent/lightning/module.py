@@ -17,6 +17,14 @@ different adapters, each forward needing its own backward):
          successful episodes, lessons from failed ones, merge and evict; every change is
          appended to ``<log_dir>/bank_changes.jsonl``
 
+Across processes (``trainer.strategy: ddp``, ``strategies.RolloutDDPStrategy``) each rank
+rolls out its own whole groups, so group-normalised advantages are exact per rank. The
+losses are normalised by the counts summed over ranks and the gradients summed once per
+optimizer step (``lightning/distributed.py``), so the ranks take the step one process takes
+on all their episodes, and a skip is decided for all together. Every rank receives every
+rank's episodes and applies the same bank evolution to them, so the banks stay identical
+without a broadcast; rank 0 writes the change log and the checkpoints.
+
 The ``__init__`` signature is the config: LightningCLI turns it into YAML and ``--help``.
 """
 
@@ -47,16 +55,16 @@ from hieragent.memory.retrieval import contrastive_loss
 from hieragent.memory.settings import MemorySettings
 from hieragent.models.loading import load_causal_lm, load_tokenizer
 from hieragent.models.lora import LoraSettings, add_adapters, add_reference_adapters, adapter_parameters
+from hieragent.lightning.distributed import all_sum, gather_objects, log_dir, world
 from hieragent.lightning.offpolicy import record_trainer_logprobs, subtract_kl_reward
 from hieragent.objectives.advantages import AdvantageSettings, assign_advantages
-from hieragent.objectives.losses import clip_normalization_scale
-from hieragent.objectives.update import (ObjectiveSettings, retrieval_loss, role_loss, role_turns,
-                                         sample_minibatch)
+from hieragent.objectives.update import (ObjectiveSettings, normaliser, retrieval_count, retrieval_loss,
+                                         role_loss, role_turns, sample_minibatch)
 from hieragent.objectives.value import TurnValueHead, turn_features, value_loss, value_targets
 from hieragent.memory.encoder import embedding_dim, load_encoder
 from hieragent.rollout.loop import RolloutSettings, collect
 from hieragent.rollout.replay import ReplayBuffer, ReplaySettings, staleness
-from hieragent.lightning.optim import guarded_step
+from hieragent.lightning.optim import agree_on_step, guarded_step
 from hieragent.lightning.state import TRAINABLE_MARKERS, CheckpointHooks
 from hieragent.lightning.warmstart import imitation_step
 from hieragent.types import Batch, Demonstration, Trajectory, Turn
@@ -240,12 +248,14 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
             self.lm.train(was_training)
         return Batch(trajectories, policy_version=self.engine.version)
 
-    def collect_train(self, pool, seeds: list[int], groups: list[int]) -> Batch:
+    def collect_train(self, pool, seeds: list[int], groups: list[int],
+                      generator: torch.Generator | list[torch.Generator] | None = None) -> Batch:
         """A training batch from the version the engine serves ``replay.rollout_lag`` steps
-        behind, with the trainer's own behaviour log-probs if truncated IS needs them."""
+        behind, with the trainer's own behaviour log-probs if truncated IS needs them.
+        ``generator``: one per episode, or ``None`` for torch's global stream."""
         self._ensure_synced()
         with self.engine.lagged():
-            batch = self.collect(pool, seeds, groups)
+            batch = self.collect(pool, seeds, groups, generator=generator)
             if self.objective.tis_cap is not None:
                 for role, policy in self.policies():
                     record_trainer_logprobs(policy, batch.turns(role), self.objective.micro_batch_turns)
@@ -288,8 +298,9 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
                 penalty = subtract_kl_reward(policy, batch.turns(role), self.objective.kl_coef,
                                              self.objective.kl_estimator, self.objective.micro_batch_turns)
                 self.log(f"{role}/kl_reward", penalty, on_step=True, batch_size=self._episodes)
+        everyone = self._every_rank(batch)
         values = self._values(batch)
-        self._prepare_contrastive(batch)
+        self._prepare_contrastive(everyone, batch)
         assign_advantages(batch, settings=self.advantage, values=values)
         self.replay.add(batch)
         batches = self.replay.retained(self.global_step)
@@ -307,7 +318,37 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         env_stats["train/loop_ended"] = (sum(t.loop_ended for t in batch.trajectories)
                                          / max(len(batch.trajectories), 1))
         self.log_dict(env_stats, on_step=True, on_epoch=False, batch_size=self._episodes)
-        self._update_bank(batch)
+        self._update_bank(everyone)
+        self._check_ranks_agree()
+
+    def _check_ranks_agree(self) -> None:
+        """Across processes, fail at the first step where the ranks' adapters or banks part.
+
+        They are the same by construction; a difference (bank code that is not deterministic,
+        ranks on different hardware) would otherwise grow silently. One small collective: a
+        float64 sum of the trainable parameters and the bank's size, capacity and counts.
+        """
+        if world()[1] == 1:
+            return
+        digest = {"adapters": sum(float(p.detach().double().sum()) for p in self.trainable_parameters().values())}
+        if self.bank is not None:
+            digest["bank"] = (len(self.bank), self.bank.capacity, sorted(self.bank.events.items()))
+        for rank, other in enumerate(gather_objects(digest, "rank agreement")):
+            parted = [key for key in digest if other[key] != digest[key]]
+            if parted:
+                raise RuntimeError(f"after optimizer step {self.global_step}, rank {world()[0]}'s "
+                                   f"{' and '.join(parted)} differ from rank {rank}'s ({digest} against "
+                                   f"{other}); every rank must hold the same, so training stops here")
+
+    def _every_rank(self, batch: Batch) -> Batch:
+        """Every rank's episodes of this step, rank by rank: what the bank evolves on, the same
+        on every rank. Other ranks' episodes come as ``Trajectory.summary()`` (no token ids),
+        this rank's are its own objects. ``batch`` in one process."""
+        if world()[1] == 1:
+            return batch
+        parts = gather_objects([t.summary() for t in batch.trajectories], "episodes for the bank")
+        parts[world()[0]] = batch.trajectories
+        return Batch([t for part in parts for t in part], policy_version=batch.policy_version)
 
     def _values(self, batch: Batch) -> torch.Tensor | None:
         """GAE only: the critic's values of the batch's turns, and its regression targets."""
@@ -327,55 +368,58 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
 
         A skipped step also drops the batches that caused it from the replay buffer: the
         one holding the micro-batch whose loss was not finite, or, for a non-finite gradient
-        (which names no batch), every batch of this update. Kept, they would make every
-        later update that reuses them skip too.
+        (which names no batch) or a non-finite loss on another rank, every batch of this
+        update. Kept, they would make every later update that reuses them skip too.
+
+        Across processes it meets the other ranks three times (``lightning/distributed.py``):
+        the loss normalisers, then the skip, gradient presence and clipping sums, then the
+        gradients; in one process these return what they are given.
         """
         opt = self.optimizers()
         opt.zero_grad()
         stats: dict[str, float] = {}
-        scales: dict[str, float] = {}  # learning-rate factor per param group, this step only
+        sums: dict[str, tuple[float, float]] = {}  # loss name -> clipping sums (bias, adv)
         skip: str | None = None  # why this step must not touch the weights
         culprits: list[Turn] = []
         settings, version = self.objective, self.global_step
-        for role, policy in self.policies():
-            items = sample_minibatch(role_turns(batches, role), settings.minibatch_turns,
-                                     whole_sequences=settings.whole_sequences)
+        plan = [(role, policy, sample_minibatch(role_turns(batches, role), settings.minibatch_turns,
+                                                whole_sequences=settings.whole_sequences))
+                for role, policy in self.policies()]
+        scale = self._loss_scales(plan)
+        for role, policy, items in plan:
             if not items.turns:
                 continue
-            parts = [(role, role, role_loss(policy, items, settings, self.manual_backward))]
-            if role == "planner" and parts[0][2].finite:
-                parts.append(("retrieval", "query_adapter",
-                              retrieval_loss(policy, items, settings, self.manual_backward)))
-            for name, group, role_stats in parts:
+            parts = [(role, role_loss(policy, items, settings, self.manual_backward, scale[role]))]
+            if role == "planner" and parts[0][1].finite:
+                parts.append(("retrieval",
+                              retrieval_loss(policy, items, settings, self.manual_backward, scale["retrieval"])))
+            for name, role_stats in parts:
                 if not role_stats.finite:
                     skip, culprits = f"non-finite {name} loss (log-probs, ratios or advantages)", role_stats.bad_turns
                     break
                 if not role_stats.turns:
                     continue
                 stats.update(role_stats.logged(name))
-                if settings.clip_normalization:
-                    scales[group] = clip_normalization_scale(role_stats.bias_sum, role_stats.adv_sum,
-                                                             settings.clip_norm_strength)
-                    stats[f"{name}/clip_norm_scale"] = scales[group]
-                    stats[f"{name}/clip_norm_triggered"] = float(scales[group] < 1.0)
+                sums[name] = (role_stats.bias_sum, role_stats.adv_sum)
             if skip is not None:
                 break
             lags = staleness(items.turns, self.global_step)
             stats[f"{role}/staleness_mean"] = sum(lags) / len(lags)
             stats[f"{role}/staleness_max"] = float(max(lags))
             if settings.tis_cap is not None:
-                stats[f"{role}/logprob_gap"] = parts[0][2].gap_sum / max(parts[0][2].tokens, 1)
+                stats[f"{role}/logprob_gap"] = parts[0][1].gap_sum / max(parts[0][1].tokens, 1)
         if skip is None and self._contrastive is not None:
             retrievals, positives = self._contrastive
             c_loss = contrastive_loss(self.planner.query_adapter, retrievals, positives,
                                       self.memory_settings.contrastive_temperature, self.bank.merge_threshold)
-            self.manual_backward(self.memory_settings.contrastive_coef * c_loss)
+            self.manual_backward(self.memory_settings.contrastive_coef * scale["contrastive"] * c_loss)
             stats["memory/contrastive_loss"] = float(c_loss.detach())
         if skip is None and self._value_batch is not None:
             features, roles, targets = self._value_batch
             v_loss = value_loss(self.value_head(features, roles), targets)
-            self.manual_backward(v_loss)
+            self.manual_backward(scale["value"] * v_loss)
             stats["value/loss"] = float(v_loss.detach())
+        skip, scales = self._agree(opt, skip, sums, stats)
         step = guarded_step(opt, settings.max_grad_norm, scales, skip)
         if step.skipped is None:
             self.sync_engine()
@@ -404,10 +448,32 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
             logger.log_metrics(stats, step=version)
         return step.skipped
 
-    def _prepare_contrastive(self, batch: Batch) -> None:
+    def _loss_scales(self, plan: list) -> dict[str, float]:
+        """Per loss term, this rank's normaliser over the sum of every rank's (1 in one
+        process): the planner's and executor's tokens or sequences, the retrievals, the
+        contrastive pairs and the value rows."""
+        settings = self.objective
+        local = {role: float(normaliser(items, settings)) for role, _, items in plan}
+        planner = next((items for role, _, items in plan if role == "planner"), None)
+        local["retrieval"] = float(retrieval_count(planner, settings)) if planner is not None else 0.0
+        local["contrastive"] = float(len(self._contrastive[0])) if self._contrastive is not None else 0.0
+        local["value"] = float(len(self._value_batch[2])) if self._value_batch is not None else 0.0
+        names = sorted(local)
+        total = all_sum([local[n] for n in names], "update counts").tolist()
+        return {n: local[n] / t if t > 0 else 0.0 for n, t in zip(names, total)}
+
+    def _agree(self, opt, skip: str | None, sums: dict[str, tuple[float, float]],
+               stats: dict[str, float]) -> tuple[str | None, dict[str, float]]:
+        return agree_on_step(opt, skip, sums, self.objective.clip_normalization,
+                             self.objective.clip_norm_strength, stats)
+
+    def _prepare_contrastive(self, everyone: Batch, own: Batch) -> None:
+        """Skill keys for every rank's episodes (the bank's update), contrastive pairs for
+        this rank's own (its share of the loss)."""
         self._contrastive = self._skill_keys = None
         if self.evolution is not None:
-            self._skill_keys, self._contrastive = self.evolution.prepare(batch)
+            mine = None if everyone is own else own.trajectories
+            self._skill_keys, self._contrastive = self.evolution.prepare(everyone, mine)
 
     def _update_bank(self, batch: Batch) -> None:
         if self.evolution is None:
@@ -419,8 +485,8 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
                       on_step=True, on_epoch=False, batch_size=self._episodes)
 
     def _write_changes(self, changes: list[dict[str, Any]]) -> None:
-        if self._trainer is not None and self.trainer.log_dir is not None and self.trainer.is_global_zero:
-            append_changes(Path(self.trainer.log_dir) / "bank_changes.jsonl", changes)
+        if self._trainer is not None and self.trainer.is_global_zero and log_dir(self.trainer) is not None:
+            append_changes(Path(log_dir(self.trainer)) / "bank_changes.jsonl", changes)
 
     # -- evaluation --------------------------------------------------------------------
     def _log_episodes(self, trajectories: list[Trajectory], metrics: MetricCollection,
@@ -444,9 +510,11 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         episodes, self._val_episodes = self._val_episodes, []
-        if self.evolution is None or not episodes or self.trainer.sanity_checking:
+        if self.evolution is None or self.trainer.sanity_checking or self.trainer.state.fn != "fit":
             return
-        if self.trainer.state.fn != "fit":
+        episodes = [t for part in gather_objects([t.summary() for t in episodes], "validation episodes")
+                    for t in part]
+        if not episodes:
             return
         success = sum(t.success for t in episodes) / len(episodes)
         stats = self.evolution.on_validation(success, [t for t in episodes if not t.success], self.global_step)
@@ -457,6 +525,12 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         self._log_episodes(batch.trajectories, self._eval_metrics("test", dataloader_idx), on_step=False)
 
     def setup(self, stage: str) -> None:
+        from hieragent.strategies import RolloutDDPStrategy
+
+        if self.trainer.world_size > 1 and not isinstance(self.trainer.strategy, RolloutDDPStrategy):
+            raise ValueError(f"trainer.strategy: {type(self.trainer.strategy).__name__} with "
+                             f"{self.trainer.world_size} processes; several processes need "
+                             "hieragent.strategies.RolloutDDPStrategy (`trainer.strategy: ddp` in the CLI)")
         if isinstance(self.engine, HFEngine):  # act in the precision the trainer computes in
             self.engine.autocast = autocast_dtype(self.trainer.precision)
         # per-env metrics exist before anything is logged: Lightning maps metric objects to

@@ -14,6 +14,8 @@ One call per update, after every backward:
 
 Groups are named by the ``"name"`` key of their param group (``executor``, ``planner``,
 ``query_adapter``, ``value``).
+
+Across processes ``agree_on_step`` runs first, so that every rank takes the same step.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+
+from hieragent.lightning.distributed import all_sum, sum_gradients
+from hieragent.objectives.losses import clip_normalization_scale
+
+# the param group each clipped loss term steps (its clipping-triggered normalization)
+LOSS_GROUPS = {"planner": "planner", "executor": "executor", "retrieval": "query_adapter"}
 
 
 @dataclass
@@ -93,3 +101,41 @@ def guarded_step(optimizer, max_grad_norm: float, lr_scales: dict[str, float] | 
         sq = sum(float((p.detach() - b).double().pow(2).sum()) for p, b in zip(params, before[name]))
         result.update_norms[name] = math.sqrt(sq)
     return result
+
+
+def agree_on_step(optimizer, skip: str | None, sums: dict[str, tuple[float, float]],
+                  clip_normalization: bool, strength: float,
+                  stats: dict[str, float]) -> tuple[str | None, dict[str, float]]:
+    """The same step on every rank; in one process, what that process found.
+
+    A skip if any rank skips; gradients summed over ranks, where a parameter that no rank
+    touched keeps ``None`` (so AdamW leaves it and its state alone, as in one process); and
+    the clipping-triggered normalization from the clipping sums ``(bias, adv)`` of every
+    rank, per loss term of ``LOSS_GROUPS``, logged into ``stats``. Returns the skip and the
+    learning-rate scales for ``guarded_step``.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    local = [float(skip is not None)] + [float(p.grad is not None) for p in params]
+    for name in LOSS_GROUPS:
+        local += list(sums.get(name, (0.0, 0.0)))
+    total = all_sum(local, "update stats").tolist()
+    if skip is None and total[0] > 0:
+        skip = "non-finite loss on another rank"
+    if skip is not None:
+        return skip, {}
+    touched = [bool(n) for n in total[1:1 + len(params)]]
+    for p, anywhere in zip(params, touched):
+        if anywhere and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    sum_gradients([p for p, anywhere in zip(params, touched) if anywhere])
+    scales: dict[str, float] = {}
+    if clip_normalization:
+        at = 1 + len(params)
+        for k, (name, group) in enumerate(LOSS_GROUPS.items()):
+            bias, adv = total[at + 2 * k], total[at + 2 * k + 1]
+            if name not in sums and bias == 0 and adv == 0:
+                continue  # no rank had this term
+            scales[group] = clip_normalization_scale(bias, adv, strength)
+            stats[f"{name}/clip_norm_scale"] = scales[group]
+            stats[f"{name}/clip_norm_triggered"] = float(scales[group] < 1.0)
+    return skip, scales

@@ -3,6 +3,11 @@
 The module's ``state_dict`` keeps the trainable parts only (LoRA adapters, query adapter,
 value head: ``TRAINABLE_MARKERS``); ``checkpoint["hieragent"]`` adds the bank, the bank's
 evolution state, the replay buffer and the RNG states, all weights-only loadable.
+
+Across processes the bank, the adapters and the optimizer state are the same on every rank,
+and rank 0 writes them. Each rank's replay buffer holds its own episodes, so the checkpoint
+keeps every rank's (``replay_ranks``); a run resumed on another number of ranks deals the
+batches out round-robin.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from hieragent.lightning.distributed import gather_objects, world
 
 TRAINABLE_MARKERS = ("lora_", "planner.query_adapter.", "value_head.")
 
@@ -60,6 +67,7 @@ class CheckpointHooks:
         checkpoint["hieragent"] = {
             "bank": self.bank.state_dict() if self.bank is not None else None,
             "replay": self.replay.state_dict(),
+            "replay_ranks": gather_objects(self.replay.state_dict(), "checkpoint replay buffers"),
             "evolution": self.evolution.state_dict() if self.evolution is not None else None,
             "rng": rng_state(),
         }
@@ -89,8 +97,17 @@ class CheckpointHooks:
         if self.evolution is not None and extra.get("evolution") is not None:
             self.evolution.load_state_dict(extra["evolution"])
         if extra.get("replay") is not None:
-            self.replay.load_state_dict(extra["replay"])
+            self.replay.load_state_dict(replay_share(extra.get("replay_ranks") or [extra["replay"]]))
         if extra.get("rng"):
             restore_rng(extra["rng"])
 
 
+def replay_share(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """This rank's replay buffer from the saved ranks' buffers: its own when the number of
+    ranks is unchanged, else every ``world``-th batch of all of them, oldest first."""
+    rank, size = world()
+    if len(states) == size:
+        return states[rank]
+    batches = sorted((b for s in states for b in s["batches"]), key=lambda b: int(b["policy_version"]))
+    return {"batches": batches[rank::size],
+            "dropped_turns": sum(int(s["dropped_turns"]) for s in states) if rank == 0 else 0}

@@ -97,15 +97,21 @@ class BankEvolution:
                 out["episodic"].append((episode_text(t), source))
         return out
 
-    def prepare(self, batch: Batch) -> tuple[np.ndarray | None, tuple[list[Retrieval], torch.Tensor] | None]:
+    def prepare(self, batch: Batch, own: list[Trajectory] | None = None,
+                ) -> tuple[np.ndarray | None, tuple[list[Retrieval], torch.Tensor] | None]:
         """Before the update: embed the batch's new skills once (``update`` adds them with these
         keys), and pair every retrieval of a successful episode with the key of the skill that
-        episode produced, for the contrastive loss: ``(skill keys [S, D], (retrievals, [P, D]))``."""
+        episode produced, for the contrastive loss: ``(skill keys [S, D], (retrievals, [P, D]))``.
+
+        ``own``: the episodes whose retrievals this process trains on (across processes, its
+        own, while ``batch`` holds every rank's); ``None`` is all of ``batch``.
+        """
         successes = [t for t in batch.trajectories if t.success and t.of("planner")]
         if not successes or not self.settings.add_skills:
             return None, None
         keys = self.bank.embed([text for text, _ in self.distil(successes)["skill"]])  # [S, D]
-        pairs = [(turn.retrieval, keys[j]) for j, t in enumerate(successes)
+        mine = None if own is None else {id(t) for t in own}
+        pairs = [(turn.retrieval, keys[j]) for j, t in enumerate(successes) if mine is None or id(t) in mine
                  for turn in t.of("planner") if turn.retrieval is not None]
         if self.settings.contrastive_coef <= 0 or not pairs:
             return keys, None

@@ -84,7 +84,8 @@ class ObjectiveSettings:
         retrieval_coef: Weight of the memory retrieval's own clipped term (one ratio per
             planner turn that retrieved) against the planner's policy term; 0 stops the
             query adapter from learning from reward.
-        minibatch_turns: Turns per optimizer step, sampled per role; ``None`` uses all.
+        minibatch_turns: Turns per optimizer step, sampled per role (per rank across
+            processes); ``None`` uses all.
         micro_batch_turns: Turns per forward pass (memory only; the gradient is the same).
         max_grad_norm: Gradient clipping by norm, per optimizer param group (each adapter,
             the query adapter, the value head), so one group's large gradient never
@@ -220,6 +221,20 @@ def old_logprobs_of(turn: Turn, trainer: bool = False) -> list[float]:
 
 def count_tokens(turns: list[Turn]) -> int:
     return sum(len(old_logprobs_of(t)) for t in turns)
+
+
+def normaliser(items: RoleTurns, settings: ObjectiveSettings) -> int:
+    """What the aggregation divides a role's loss by (equations (10)-(12)): its tokens for
+    ``token-mean``, its sequences with tokens otherwise. Across processes the loss is
+    normalised by the sum over ranks, passed to ``role_loss`` as ``weight_scale``."""
+    if settings.aggregation == "token-mean":
+        return count_tokens(items.turns)
+    return len({s for s, t in zip(items.sequence_ids, items.turns) if old_logprobs_of(t)})
+
+
+def retrieval_count(items: RoleTurns, settings: ObjectiveSettings) -> int:
+    """The retrievals ``retrieval_loss`` averages over."""
+    return 0 if settings.retrieval_coef == 0 else sum(t.retrieval is not None for t in items.turns)
 
 
 # -- the loss of a micro-batch -----------------------------------------------------------------
@@ -359,12 +374,17 @@ class RoleStats:
 
 
 def role_loss(policy, items: RoleTurns, settings: ObjectiveSettings,
-              backward: Callable[[Tensor], None]) -> RoleStats:
-    """Forward and backward over one role's turns; stops at the first non-finite loss."""
+              backward: Callable[[Tensor], None], weight_scale: float = 1.0) -> RoleStats:
+    """Forward and backward over one role's turns; stops at the first non-finite loss.
+
+    ``weight_scale`` multiplies the aggregation weights: across processes, this rank's
+    ``normaliser`` over the sum of all ranks', so the ranks' summed gradients are those of
+    one process holding every rank's turns.
+    """
     stats = RoleStats(turns=len(items.turns))
     whole = settings.whole_sequences
     lengths = torch.tensor([len(old_logprobs_of(t)) for t in items.turns])
-    weights = aggregation_weights(lengths, torch.tensor(items.sequence_ids), settings.aggregation)
+    weights = aggregation_weights(lengths, torch.tensor(items.sequence_ids), settings.aggregation) * weight_scale
     for rows in micro_batches(items, settings.micro_batch_turns, whole):
         chunk = items.subset(rows)
         ref = policy.reference_logprobs(chunk.turns) if settings.kl_in_loss else None
@@ -379,13 +399,14 @@ def role_loss(policy, items: RoleTurns, settings: ObjectiveSettings,
 
 
 def retrieval_loss(planner, items: RoleTurns, settings: ObjectiveSettings,
-                   backward: Callable[[Tensor], None]) -> RoleStats:
+                   backward: Callable[[Tensor], None], weight_scale: float = 1.0) -> RoleStats:
     """The retrieval's own clipped term over the planner turns that retrieved (see the top).
 
     One row per retrieval, one "token" each: the log-probability of the ordered choice, so
     every IS level gives the same exact ratio. Rows are averaged and weighted by
     ``retrieval_coef``; the advantage is the planner turn's. No KL: a retrieval has no
     reference, and no truncated IS: the trainer computes it exactly as the rollout did.
+    ``weight_scale``: as in ``role_loss``, over ``retrieval_count``.
     """
     turns = [t for t in items.turns if t.retrieval is not None]
     stats = RoleStats(turns=len(turns))
@@ -401,7 +422,7 @@ def retrieval_loss(planner, items: RoleTurns, settings: ObjectiveSettings,
     if not torch.isfinite(policy):
         stats.finite, stats.bad_turns = False, turns
         return stats
-    backward(settings.retrieval_coef * policy)
+    backward(settings.retrieval_coef * weight_scale * policy)
     stats.policy = float(policy.detach())
     stats.clipped, stats.dual_clipped = int(terms.clipped.sum()), int(terms.dual_clipped.sum())
     stats.tokens = len(turns)

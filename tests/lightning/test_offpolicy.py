@@ -45,8 +45,8 @@ class Recorded(HierAgentModule):
     """The real module, noting the step each training batch was collected at and the
     versions its turns record."""
 
-    def collect_train(self, pool, seeds, groups):
-        batch = super().collect_train(pool, seeds, groups)
+    def collect_train(self, pool, seeds, groups, generator=None):
+        batch = super().collect_train(pool, seeds, groups, generator)
         self.__dict__.setdefault("served", []).append(
             (self.global_step, batch.policy_version, {t.policy_version for t in batch.turns()}))
         return batch
@@ -75,8 +75,8 @@ class PoisonedAt(HierAgentModule):
     poison_step = 2
     done = False
 
-    def collect_train(self, pool, seeds, groups):
-        batch = super().collect_train(pool, seeds, groups)
+    def collect_train(self, pool, seeds, groups, generator=None):
+        batch = super().collect_train(pool, seeds, groups, generator)
         if self.global_step == self.poison_step and not self.done:
             batch.turns("executor")[0].old_logprobs[0] = float("nan")
             self._poisoned = self.done = True

@@ -45,11 +45,13 @@ bench-memory: install
 bench-rollout: install
 	$(BIN)/python -m hieragent.bench.rollout --out lightning_logs/bench_rollout.json
 
-# on a CUDA GPU only: installs the vllm extra (a CUDA torch), then vLLM vs HF log-prob gaps per
-# adapter, the adapter reload, turns/s (see hieragent/bench/device_check.py); without a GPU it
-# stops at once with one line
+# on a CUDA GPU only: DDP (NCCL, one device) against one process on the same episodes, with step
+# time and peak memory, FSDP and DeepSpeed's refusals (hieragent/bench/ddp_check.py); then installs
+# the vllm extra (a CUDA torch), vLLM vs HF log-prob gaps per adapter, the adapter reload, turns/s
+# (see hieragent/bench/device_check.py); without a GPU it stops at once with one line
 device-check: install
 	$(BIN)/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'device-check needs a CUDA GPU; this machine has none')"
+	$(BIN)/python -m hieragent.bench.ddp_check --accelerator gpu --devices 1 --out lightning_logs/ddp_check.json
 	$(BIN)/python -m pip install --quiet -e ".[vllm]"
 	$(BIN)/python -m hieragent.bench.device_check
 

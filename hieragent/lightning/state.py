@@ -64,13 +64,15 @@ class CheckpointHooks:
         state = checkpoint["state_dict"]
         for key in [k for k in state if not any(m in k for m in TRAINABLE_MARKERS)]:
             del state[key]
+        replay = self.replay.state_dict()
         checkpoint["hieragent"] = {
             "bank": self.bank.state_dict() if self.bank is not None else None,
-            "replay": self.replay.state_dict(),
-            "replay_ranks": gather_objects(self.replay.state_dict(), "checkpoint replay buffers"),
+            "replay": replay,
             "evolution": self.evolution.state_dict() if self.evolution is not None else None,
             "rng": rng_state(),
         }
+        if world()[1] > 1:  # every rank's buffer; "replay" above is rank 0's
+            checkpoint["hieragent"]["replay_ranks"] = gather_objects(replay, "checkpoint replay buffers")
 
     def load_weights(self, path: str) -> None:
         """Adapters, query adapter and bank from checkpoint ``path`` (``model.init_from``)."""
@@ -102,10 +104,12 @@ class CheckpointHooks:
             restore_rng(extra["rng"])
 
 
-def replay_share(states: list[dict[str, Any]]) -> dict[str, Any]:
+def replay_share(states: list[dict[str, Any]], rank: int | None = None, size: int | None = None) -> dict[str, Any]:
     """This rank's replay buffer from the saved ranks' buffers: its own when the number of
-    ranks is unchanged, else every ``world``-th batch of all of them, oldest first."""
-    rank, size = world()
+    ranks is unchanged, else every ``size``-th batch of all of them, oldest first (``rank``
+    and ``size``: this process's, by default)."""
+    if rank is None or size is None:
+        rank, size = world()
     if len(states) == size:
         return states[rank]
     batches = sorted((b for s in states for b in s["batches"]), key=lambda b: int(b["policy_version"]))

@@ -44,3 +44,21 @@ def test_two_ranks_sum_and_gather_and_a_lonely_collective_names_rank_and_stage(t
     assert r[1]["local_grads"][1] is None
     error = r[0]["error"]
     assert error is not None and "rank 0 of 2" in error and "'the lonely stage'" in error
+
+
+def _buffer(versions, dropped):
+    return {"batches": [{"trajectories": [], "policy_version": v} for v in versions], "dropped_turns": dropped}
+
+
+def test_replay_buffers_of_two_ranks_are_dealt_to_one_and_back():
+    from hieragent.lightning.state import replay_share
+
+    saved = [_buffer([0, 2], 5), _buffer([1, 2], 3)]  # two ranks' buffers
+    one = replay_share(saved, rank=0, size=1)
+    assert [b["policy_version"] for b in one["batches"]] == [0, 1, 2, 2]  # all of them, oldest first
+    assert one["dropped_turns"] == 8
+    assert replay_share(saved, rank=1, size=2) is saved[1]  # same number of ranks: its own
+    three = [replay_share(saved, rank=r, size=3) for r in range(3)]
+    assert sorted(b["policy_version"] for t in three for b in t["batches"]) == [0, 1, 2, 2]
+    assert [len(t["batches"]) for t in three] == [2, 1, 1]
+    assert sum(t["dropped_turns"] for t in three) == 8

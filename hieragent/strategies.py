@@ -113,7 +113,13 @@ class RolloutDDPStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        end_every_rank_on_signal(lambda: list(getattr(self.launcher, "procs", None) or []))
+        self._stop_watch = end_every_rank_on_signal(lambda: list(getattr(self.launcher, "procs", None) or []))
+
+    def teardown(self) -> None:
+        super().teardown()
+        if getattr(self, "_stop_watch", None) is not None:
+            self._stop_watch()
+            self._stop_watch = None
 
     def configure_ddp(self) -> None:
         super().configure_ddp()

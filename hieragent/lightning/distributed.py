@@ -103,8 +103,9 @@ def sum_gradients(params: Sequence[torch.nn.Parameter], name: str = "gradients")
         at += n
 
 
-def end_every_rank_on_signal(children: Callable[[], list]) -> None:
-    """SIGTERM or Ctrl-C ends this rank at once, and the ranks it launched.
+def end_every_rank_on_signal(children: Callable[[], list]) -> Callable[[], None]:
+    """SIGTERM or Ctrl-C ends this rank at once, and the ranks it launched, until the returned
+    function is called.
 
     A rank blocked in a collective never returns to Python, so no Python signal handler
     (Lightning's included) would run until the collective times out. The interpreter's C
@@ -113,24 +114,43 @@ def end_every_rank_on_signal(children: Callable[[], list]) -> None:
     written atomically, so nothing is torn.
     """
     if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        if signal.getsignal(sig) in (signal.SIG_DFL, None):
-            signal.signal(sig, lambda *_: None)  # a Python handler, so the wakeup pipe is written
+        return lambda: None
+    watching = threading.Event()
+    watching.set()
+
+    def on_sigterm(signum, frame) -> None:
+        # a Python handler, so that the wakeup pipe is written; the thread acts while it
+        # watches, and afterwards (Lightning may reinstall this handler) SIGTERM is as usual
+        if not watching.is_set():
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, on_sigterm)
     read, write = os.pipe()
     os.set_blocking(write, False)
-    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
 
     def watch() -> None:
-        while True:
-            for signum in os.read(read, 64):
+        while data := os.read(read, 64):
+            for signum in data:
                 if signum in (signal.SIGTERM, signal.SIGINT):
                     for proc in children():
                         with contextlib.suppress(Exception):
                             proc.send_signal(signal.SIGTERM)
                     os._exit(128 + signum)
+        os.close(read)
 
     threading.Thread(target=watch, name="hieragent-signal-watch", daemon=True).start()
+
+    def stop() -> None:
+        watching.clear()
+        signal.set_wakeup_fd(previous)
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.close(write)  # the thread reads end-of-file and returns
+
+    return stop
 
 
 def log_dir(trainer) -> str | None:

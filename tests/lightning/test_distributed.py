@@ -1,8 +1,12 @@
 """The collectives of ``hieragent.lightning.distributed`` in a real 2-process gloo group,
 checked against direct float64 sums of the same random inputs."""
 
+import signal
 import socket
+import subprocess
+import sys
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -62,3 +66,18 @@ def test_replay_buffers_of_two_ranks_are_dealt_to_one_and_back():
     assert sorted(b["policy_version"] for t in three for b in t["batches"]) == [0, 1, 2, 2]
     assert [len(t["batches"]) for t in three] == [2, 1, 1]
     assert sum(t["dropped_turns"] for t in three) == 8
+
+
+@pytest.mark.parametrize("stopped,expected", [(False, 128 + signal.SIGTERM), (True, -signal.SIGTERM)])
+def test_the_signal_watch_exits_at_once_and_hands_sigterm_back_when_stopped(stopped, expected):
+    code = f"""
+import os, signal, time
+from hieragent.lightning.distributed import end_every_rank_on_signal
+stop = end_every_rank_on_signal(lambda: [])
+if {stopped}:
+    stop()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(30)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == expected, done.stderr[-2000:]

@@ -19,7 +19,7 @@ written.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
@@ -102,14 +102,13 @@ class RolloutDDPStrategy(DDPStrategy):
         **kwargs: Further arguments of Lightning's ``DDPStrategy``.
     """
 
-    strategy_name = "rollout_ddp"
-
     def __init__(self, timeout_s: float = 1800.0, **kwargs: Any) -> None:
         if timeout_s <= 0:
             raise ValueError(f"trainer.strategy timeout_s must be > 0, got {timeout_s}")
         kwargs.setdefault("forward_sync_buffers", False)  # no buffer is trained; every rank has the same
         super().__init__(timeout=timedelta(seconds=timeout_s), **kwargs)
         self.timeout_s = timeout_s
+        self._stop_watch: Callable[[], None] | None = None
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -117,7 +116,7 @@ class RolloutDDPStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         super().teardown()
-        if getattr(self, "_stop_watch", None) is not None:
+        if self._stop_watch is not None:
             self._stop_watch()
             self._stop_watch = None
 

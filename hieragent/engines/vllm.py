@@ -42,7 +42,7 @@ from hieragent.engines.base import (Engine, EngineSettings, Generation, Request,
                                    one_sampling, per_request)
 from hieragent.io import scratch_dir
 from hieragent.models.lora import REFERENCE_SUFFIX
-from hieragent.sampling import Randomness, per_row, row_generator
+from hieragent.sampling import Randomness, per_row
 
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank choices
 DTYPES = ("bfloat16", "float16")  # vLLM's LoRA kernels have no float32 path
@@ -206,10 +206,12 @@ class VLLMEngine(Engine):
         adapter, sampling = one_sampling(requests)
         lora = self._lora(adapter)
         # one seed per request: equal prompts (a group of rollouts) must not sample alike
-        seeds = ([None] * len(requests) if sampling.greedy
-                 else [int(torch.randint(2**31 - 1, (1,), generator=row_generator(generator, j)))
-                       for j in range(len(requests))] if per_row(generator)
-                 else torch.randint(2**31 - 1, (len(requests),), generator=generator).tolist())
+        if sampling.greedy:
+            seeds = [None] * len(requests)
+        elif per_row(generator):  # each episode's seed from its own stream
+            seeds = [int(torch.randint(2**31 - 1, (1,), generator=g)) for g in generator]
+        else:
+            seeds = torch.randint(2**31 - 1, (len(requests),), generator=generator).tolist()
         params = [self._SamplingParams(
             n=1, temperature=0.0 if sampling.greedy else sampling.temperature,
             max_tokens=sampling.max_new_tokens, logprobs=0, seed=seed,

@@ -76,8 +76,8 @@ class BeforeAfterEval(L.Callback):
                 table.add_row(label, f"{row['success']:.3f}", f"{row['return']:.3f}",
                               f"{row['length']:.1f}", f"{row['invalid']:.3f}")
         Console().print(table)
-        if log_dir(trainer):
-            atomic_write_text(Path(log_dir(trainer)) / "eval_summary.json",
+        if run_dir := log_dir(trainer):
+            atomic_write_text(Path(run_dir) / "eval_summary.json",
                               json.dumps({"before": self.before, "after": self.after,
                                           "updates": trainer.global_step}, indent=2))
 
@@ -120,8 +120,8 @@ class LevelTable(L.Callback):
             table.add_row(env, f"{row['success']:.3f}", f"{row['return']:.3f}", f"{row['length']:.1f}",
                           f"{row['invalid']:.3f}")
         Console(width=max(Console().width, 110)).print(table)
-        if log_dir(trainer):
-            atomic_write_text(Path(log_dir(trainer)) / f"{stage}_summary.json", json.dumps(rows, indent=2))
+        if run_dir := log_dir(trainer):
+            atomic_write_text(Path(run_dir) / f"{stage}_summary.json", json.dumps(rows, indent=2))
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

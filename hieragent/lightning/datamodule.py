@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from hieragent.envs.base import EVAL_SEED_OFFSET, check_env_name
 from hieragent.envs.pool import EnvPool
-from hieragent.lightning.distributed import world
+from hieragent.lightning.distributed import distributed, world
 from hieragent.sampling import episode_generators
 from hieragent.types import Batch
 
@@ -164,7 +164,7 @@ class RolloutDataModule(L.LightningDataModule):
     def per_episode(self) -> bool:
         """Whether episodes sample from generators of their own (``episode_seeding``)."""
         chosen = self.hparams.episode_seeding
-        return world()[1] > 1 if chosen is None else bool(chosen)
+        return distributed() if chosen is None else bool(chosen)
 
     # -- pools -------------------------------------------------------------------------
     def train_pool(self) -> EnvPool:

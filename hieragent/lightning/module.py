@@ -55,7 +55,7 @@ from hieragent.memory.retrieval import contrastive_loss
 from hieragent.memory.settings import MemorySettings
 from hieragent.models.loading import load_causal_lm, load_tokenizer
 from hieragent.models.lora import LoraSettings, add_adapters, add_reference_adapters, adapter_parameters
-from hieragent.lightning.distributed import all_sum, gather_objects, log_dir, world
+from hieragent.lightning.distributed import all_sum, distributed, gather_objects, log_dir, world
 from hieragent.lightning.offpolicy import record_trainer_logprobs, subtract_kl_reward
 from hieragent.objectives.advantages import AdvantageSettings, assign_advantages
 from hieragent.objectives.update import (ObjectiveSettings, normaliser, retrieval_count, retrieval_loss,
@@ -328,7 +328,7 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         ranks on different hardware) would otherwise grow silently. One small collective: a
         float64 sum of the trainable parameters and the bank's size, capacity and counts.
         """
-        if world()[1] == 1:
+        if not distributed():
             return
         digest = {"adapters": sum(float(p.detach().double().sum()) for p in self.trainable_parameters().values())}
         if self.bank is not None:
@@ -344,7 +344,7 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         """Every rank's episodes of this step, rank by rank: what the bank evolves on, the same
         on every rank. Other ranks' episodes come as ``Trajectory.summary()`` (no token ids),
         this rank's are its own objects. ``batch`` in one process."""
-        if world()[1] == 1:
+        if not distributed():
             return batch
         parts = gather_objects([t.summary() for t in batch.trajectories], "episodes for the bank")
         parts[world()[0]] = batch.trajectories

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hieragent.lightning.distributed import gather_objects, world
+from hieragent.lightning.distributed import distributed, gather_objects, world
 
 TRAINABLE_MARKERS = ("lora_", "planner.query_adapter.", "value_head.")
 
@@ -71,7 +71,7 @@ class CheckpointHooks:
             "evolution": self.evolution.state_dict() if self.evolution is not None else None,
             "rng": rng_state(),
         }
-        if world()[1] > 1:  # every rank's buffer; "replay" above is rank 0's
+        if distributed():  # every rank's buffer; "replay" above is rank 0's
             checkpoint["hieragent"]["replay_ranks"] = gather_objects(replay, "checkpoint replay buffers")
 
     def load_weights(self, path: str) -> None:

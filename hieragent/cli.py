@@ -3,7 +3,12 @@
 The config schema is the signatures of ``HierAgentModule`` and ``RolloutDataModule``;
 LightningCLI gives ``--help``, ``--print_config`` and dotted overrides such as
 ``--trainer.max_steps 3``. ``hieragent envs`` lists the environment names;
-``hieragent bank list|search|export --ckpt_path <ckpt>`` inspects a checkpoint's skill bank.
+``hieragent bank list|search|export --ckpt_path <ckpt>`` inspects a checkpoint's skill bank;
+``hieragent export`` writes a trained agent as PEFT adapters, bank and model card, and
+``hieragent play`` shows one episode of it (``agent_command.py``).
+
+A run prints its own progress and tables; ``--verbose`` (or ``HIERAGENT_DEBUG=1``) also shows
+the third-party notices that are hidden otherwise (``quiet_third_party``).
 
 Errors that come from bad input (a config value, a model path, an env name, a checkpoint)
 are printed as one line, with a non-zero exit; ``HIERAGENT_DEBUG=1`` shows the traceback.
@@ -127,6 +132,9 @@ def setting_differences(given: Any, saved: Any) -> dict[str, tuple[Any, Any]]:
 def check_checkpoint(path: str) -> None:
     """A checkpoint path must be a readable torch checkpoint before any work starts."""
     p = Path(path)
+    if (p / "hieragent.json").is_file():
+        raise ValueError(f"ckpt_path '{path}' is an exported agent, not a checkpoint: start from it "
+                         f"with --model.init_from {path}")
     if not p.is_file():
         raise FileNotFoundError(f"ckpt_path '{path}' does not exist; expected a .ckpt file "
                                 "written by `hieragent fit` (see lightning_logs/*/checkpoints)")
@@ -160,23 +168,61 @@ def quiet_expected_warnings() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+def _commands() -> dict[str, Any]:
+    """The subcommands that are not LightningCLI's, by name."""
+    from hieragent.agent_command import export_main, play_main
+    from hieragent.bank_command import main as bank_main
+
+    return {"bank": bank_main, "export": export_main, "play": play_main}
+
+
+def verbose(argv: list[str]) -> bool:
+    return "--verbose" in argv or any(os.environ.get(v) for v in ("HIERAGENT_DEBUG", "HIERAGENT_VERBOSE"))
+
+
+def quiet_third_party() -> None:
+    """A run prints its own progress and tables: Lightning's info lines (accelerators, seed,
+    advertising tips, why fit stopped), transformers' loading bars and its deprecation
+    notices are hidden. ``--verbose`` or ``HIERAGENT_DEBUG=1`` keeps them."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    for package in ("transformers", "peft"):
+        for category in (FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category, module=package)
+
+
+def _fail(err: Exception) -> None:
+    if os.environ.get("HIERAGENT_DEBUG"):
+        raise err
+    print(f"hieragent: error: {err}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(args: list[str] | None = None) -> None:
     set_offline()
     quiet_expected_warnings()
-    argv = sys.argv[1:] if args is None else args
+    argv = sys.argv[1:] if args is None else list(args)
+    if not verbose(argv):
+        quiet_third_party()
+    if "--verbose" in argv:  # not a LightningCLI option; DDP ranks re-run the command line
+        argv.remove("--verbose")
+        args, sys.argv = argv, [sys.argv[0], *argv]
+        os.environ["HIERAGENT_VERBOSE"] = "1"
     if argv[:1] == ["envs"]:
         _list_envs()
         return
-    if argv[:1] == ["bank"]:
-        from hieragent.bank_command import main as bank_main
-
+    commands = _commands()
+    if argv[:1] and argv[0] in commands:
         try:
-            bank_main(argv[1:])
-        except (ValueError, FileNotFoundError, KeyError) as err:
-            if os.environ.get("HIERAGENT_DEBUG"):
-                raise
-            print(f"hieragent: error: {err}", file=sys.stderr)
-            sys.exit(2)
+            commands[argv[0]](argv[1:])
+        except (ValueError, FileNotFoundError, FileExistsError, KeyError) as err:
+            _fail(err)
         return
     from hieragent.lightning.datamodule import RolloutDataModule
     from hieragent.lightning.module import HierAgentModule
@@ -190,10 +236,7 @@ def main(args: list[str] | None = None) -> None:
             seed_everything_default=0,
         )
     except (ValueError, FileNotFoundError, KeyError) as err:
-        if os.environ.get("HIERAGENT_DEBUG"):
-            raise
-        print(f"hieragent: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _fail(err)
 
 
 if __name__ == "__main__":

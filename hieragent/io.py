@@ -84,6 +84,26 @@ def scratch_dir(path: str | os.PathLike, prefix: str | None = None) -> Iterator[
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def swap_dir(built: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Rename the finished folder ``built`` onto ``path``, all at once.
+
+    A folder already at ``path`` is moved aside first and put back if the rename fails, so
+    ``path`` holds the old folder or the new one, never a mix; ``built`` should sit beside
+    ``path`` (a ``scratch_dir``), so that no rename crosses a file system.
+    """
+    built, path = Path(built), Path(path)
+    with scratch_dir(path, prefix=f".{path.name}.old-") as old:
+        had = path.exists()
+        try:
+            if had:
+                os.replace(path, old / path.name)
+            os.replace(built, path)
+        except BaseException:
+            if had and not path.exists():
+                os.replace(old / path.name, path)
+            raise
+
+
 def write_jsonl(rows: Iterable[dict[str, Any]], path: str | os.PathLike) -> int:
     """Write one JSON object per line, atomically; returns the number of lines."""
     n = 0

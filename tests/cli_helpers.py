@@ -8,8 +8,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(args, cwd, timeout=600):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+def run_cli(args, cwd, timeout=600, env=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run([sys.executable, "-m", "hieragent.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

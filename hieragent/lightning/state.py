@@ -75,7 +75,13 @@ class CheckpointHooks:
             checkpoint["hieragent"]["replay_ranks"] = gather_objects(replay, "checkpoint replay buffers")
 
     def load_weights(self, path: str) -> None:
-        """Adapters, query adapter and bank from checkpoint ``path`` (``model.init_from``)."""
+        """Adapters, query adapter and bank from checkpoint ``path`` (``model.init_from``), or
+        from a folder written by ``hieragent export``."""
+        from hieragent.lightning.export import is_export, load_export  # export reads checkpoints
+
+        if is_export(path):
+            load_export(self, path)
+            return
         checkpoint = read_checkpoint(path, "model.init_from")
         self._check_adapters(checkpoint, f"model.init_from '{path}'")
         self.load_state_dict(checkpoint["state_dict"], strict=False)

@@ -9,14 +9,13 @@ so a crash at any point leaves the last good bank readable.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from hieragent.io import iter_jsonl, scratch_dir, write_synced
+from hieragent.io import iter_jsonl, scratch_dir, swap_dir, write_synced
 
 if TYPE_CHECKING:
     from hieragent.memory.bank import MemoryBank
@@ -29,17 +28,9 @@ META_KEYS = ("format_version", "embedder", "dim", "capacity", "merge_threshold",
 
 def save_bank(bank: MemoryBank, path: str | Path) -> None:
     path = Path(path)
-    with scratch_dir(path) as tmp, scratch_dir(path, prefix=f".{path.name}.old-") as old:
+    with scratch_dir(path) as tmp:
         _write_files(bank.state_dict(), tmp)
-        had_bank = path.exists()
-        try:
-            if had_bank:
-                os.replace(path, old / path.name)
-            os.replace(tmp, path)
-        except BaseException:
-            if had_bank and not path.exists():
-                os.replace(old / path.name, path)
-            raise
+        swap_dir(tmp, path)
 
 
 def _write_files(state: dict[str, Any], folder: Path) -> None:

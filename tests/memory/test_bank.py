@@ -189,7 +189,7 @@ def test_failed_swap_after_temp_write_leaves_previous_bank_intact(tmp_path, monk
             raise OSError("disk vanished")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(store_mod.os, "replace", replace)
+    monkeypatch.setattr(os, "replace", replace)  # io.swap_dir renames the folder
     with pytest.raises(OSError, match="disk vanished"):
         new.save(tmp_path / "bank")
     monkeypatch.undo()

@@ -160,6 +160,8 @@ _EXPECTED_WARNINGS = (
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
     # checkpoints are meant to hold the weights after the step's update
     r"Using ModelCheckpoint with manual optimization",
+    # the module moves rollout batches itself (they are episodes, not tensors)
+    r"You have overridden `transfer_batch_to_device`",
 )
 
 

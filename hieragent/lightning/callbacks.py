@@ -43,10 +43,12 @@ class BeforeAfterEval(L.Callback):
 
     Args:
         enabled: Run the two evaluations (they cost rollouts: switch off for smoke runs).
+        before: Also evaluate before training. A run that starts from a checkpoint whose
+            evaluation is already known (``model.init_from`` a warm start) can skip it.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled = enabled
+    def __init__(self, enabled: bool = True, before: bool = True) -> None:
+        self.enabled, self.run_before = enabled, before
         self.before: dict[str, float] | None = None
         self.after: dict[str, float] | None = None
 
@@ -57,7 +59,7 @@ class BeforeAfterEval(L.Callback):
             return summarise(list(trainer.datamodule.eval_batches(module, progress)))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.enabled and self.before is None:
+        if self.enabled and self.run_before and self.before is None:
             self.before = self._evaluate(trainer, pl_module, "before training:")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -79,13 +81,50 @@ class BeforeAfterEval(L.Callback):
         if run_dir := log_dir(trainer):
             atomic_write_text(Path(run_dir) / "eval_summary.json",
                               json.dumps({"before": self.before, "after": self.after,
-                                          "updates": trainer.global_step}, indent=2))
+                                          "updates": trainer.global_step,
+                                          "env_steps": getattr(pl_module, "env_steps", None)}, indent=2))
 
     def state_dict(self) -> dict[str, Any]:
         return {"before": self.before}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.before = state_dict.get("before")
+
+
+class EnvStepBudget(L.Callback):
+    """Stop ``fit`` once training has taken ``max_env_steps`` environment steps (summed over
+    ranks), so that runs whose episodes differ in length compare at equal experience.
+    ``trainer.max_steps`` still applies; whichever comes first ends the run.
+
+    Args:
+        max_env_steps: The budget; the step that crosses it is the last.
+    """
+
+    def __init__(self, max_env_steps: int) -> None:
+        if max_env_steps < 1:
+            raise ValueError(f"EnvStepBudget max_env_steps must be >= 1, got {max_env_steps}")
+        self.max_env_steps = max_env_steps
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        if getattr(pl_module, "env_steps", 0) >= self.max_env_steps:
+            trainer.should_stop = True  # every rank counts the same steps: they stop together
+
+
+class LearningCurve(L.Callback):
+    """Append each validation of a fit to ``curve.jsonl`` in the log directory: the
+    optimizer step, the training env steps so far, and the ``val/*`` metrics."""
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn != "fit" or trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        point = {"step": trainer.global_step, "env_steps": getattr(pl_module, "env_steps", None),
+                 **{k[4:]: float(v) for k, v in trainer.callback_metrics.items()
+                    if k.startswith("val/") and k.count("/") == 1}}
+        if run_dir := log_dir(trainer):
+            path = Path(run_dir) / "curve.jsonl"
+            lines = path.read_text(encoding="utf-8") if path.is_file() else ""
+            atomic_write_text(path, lines + json.dumps(point) + "\n")
 
 
 class LevelTable(L.Callback):

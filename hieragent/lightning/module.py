@@ -148,6 +148,7 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
         self.save_hyperparameters()
         self.automatic_optimization = False
         self._skipped_in_a_row = 0
+        self.env_steps = 0  # training env steps so far, over every rank (checkpointed)
         # checkpoints hold the adapters only, not the frozen base model
         self.strict_loading = False
         self.rollout_settings, self.objective, self.memory_settings = rollout, objective, memory
@@ -299,6 +300,9 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
                                              self.objective.kl_estimator, self.objective.micro_batch_turns)
                 self.log(f"{role}/kl_reward", penalty, on_step=True, batch_size=self._episodes)
         everyone = self._every_rank(batch)
+        self.env_steps += sum(t.length for t in everyone.trajectories)
+        self.log("train/env_steps", float(self.env_steps), on_step=True, on_epoch=False,
+                 batch_size=self._episodes)
         values = self._values(batch)
         self._prepare_contrastive(everyone, batch)
         assign_advantages(batch, settings=self.advantage, values=values)

@@ -70,6 +70,7 @@ class CheckpointHooks:
             "replay": replay,
             "evolution": self.evolution.state_dict() if self.evolution is not None else None,
             "rng": rng_state(),
+            "env_steps": self.env_steps,
         }
         if distributed():  # every rank's buffer; "replay" above is rank 0's
             checkpoint["hieragent"]["replay_ranks"] = gather_objects(replay, "checkpoint replay buffers")
@@ -108,6 +109,7 @@ class CheckpointHooks:
             self.replay.load_state_dict(replay_share(extra.get("replay_ranks") or [extra["replay"]]))
         if extra.get("rng"):
             restore_rng(extra["rng"])
+        self.env_steps = int(extra.get("env_steps", 0))
 
 
 def replay_share(states: list[dict[str, Any]], rank: int | None = None, size: int | None = None) -> dict[str, Any]:

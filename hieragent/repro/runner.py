@@ -1,0 +1,270 @@
+"""Reproduction runs: a list of jobs (CLI commands), resumable, summarised over seeds.
+
+A ``make repro-*`` target is a plan: jobs, each one ``hieragent`` or ``python -m`` command
+run in a subprocess with its own folder under ``--out``. A job is done when its result file
+exists, so running the target again after an interruption skips the finished jobs and
+resumes a half-done ``fit`` from its ``last.ckpt``. Each job's output goes to ``job.log`` in
+its folder; the console shows one progress bar over the jobs.
+
+When every job is done, ``results.json`` holds each row's per-seed values (and learning
+curves), the summary rows (mean ± sample std over seeds), and the conditions: date,
+machine, precision, torch threads and the wall time of each job. ``results.md`` is the
+table as the README shows it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from fnmatch import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from hieragent.io import atomic_write_text
+
+METRICS = ("success", "return", "length")
+
+
+@dataclass
+class Job:
+    """One command of a reproduction.
+
+    Attributes:
+        name: The job's folder under the output folder, e.g. ``GoToLocal/rl_flat/seed1``.
+        argv: The command after ``python -m``: ``["hieragent.cli", "fit", ...]``.
+        result: The file, relative to the job's folder, whose presence means done.
+        resume: For a ``fit``: resume from the job's ``last.ckpt`` if one exists.
+    """
+
+    name: str
+    argv: list[str]
+    result: str
+    resume: bool = False
+
+
+@dataclass
+class Row:
+    """A row of a results table: its jobs' results for each seed, read by ``read``.
+
+    ``read(folder)`` returns ``{"success", "return", "length", ...}`` of one seed's job
+    (``curve``: a list of points, optional).
+    """
+
+    table: str
+    name: str
+    jobs: dict[int, str]  # seed -> job name
+    read: Callable[[Path], dict[str, Any]]
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    title: str
+    jobs: list[Job]
+    rows: list[Row]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def log_dir(folder: Path) -> Path:
+    """Where a job's ``hieragent`` run writes (``logger_args`` below)."""
+    return folder / "run" / "version_0"
+
+
+def logger_args(folder: Path) -> list[str]:
+    """A fixed log folder per job, so that a rerun finds the job's checkpoint and results."""
+    return ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+            "--trainer.logger.save_dir", str(folder), "--trainer.logger.name", "run",
+            "--trainer.logger.version", "0"]
+
+
+def run_plan(plan: Plan, out: Path, console: Console | None = None, only: str | None = None) -> dict[str, Any]:
+    """Run the jobs not yet done (those matching the glob ``only``, if given), then
+    summarise what is done; returns what ``results.json`` holds."""
+    console = console or Console()
+    out.mkdir(parents=True, exist_ok=True)
+    check_commands(plan, out)
+    timings = _read_timings(out)
+    todo = [j for j in plan.jobs if not done(j, out) and (only is None or fnmatch(j.name, only))]
+    if len(todo) < len(plan.jobs):
+        console.print(f"{len(plan.jobs) - len(todo)} of {len(plan.jobs)} jobs already done in {out}")
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task(plan.title, total=len(plan.jobs), completed=len(plan.jobs) - len(todo))
+        for job in todo:
+            progress.update(bar, description=f"{plan.title}: {job.name}")
+            timings[job.name] = timings.get(job.name, 0.0) + _run(job, out / job.name)
+            atomic_write_text(out / "timings.json", json.dumps(timings, indent=1))
+            progress.advance(bar)
+    results = summarise(plan, out, timings)
+    results["conditions"]["precision"] = precisions(out, plan.jobs)
+    atomic_write_text(out / "results.json", json.dumps(results, indent=1))
+    atomic_write_text(out / "results.md", markdown(results))
+    console.print(markdown(results), markup=False, highlight=False, soft_wrap=True)
+    return results
+
+
+def done(job: Job, out: Path) -> bool:
+    return (out / job.name / job.result).is_file()
+
+
+def check_commands(plan: Plan, out: Path) -> None:
+    """A finished job counts only for the command that made it: a plan whose settings have
+    changed since would mix two setups in one table, so it is refused, naming the job."""
+    for job in plan.jobs:
+        saved = out / job.name / "command.json"
+        if done(job, out) and saved.is_file() and json.loads(saved.read_text(encoding="utf-8")) != record(job):
+            raise ValueError(f"job '{job.name}' in {out} was run with another command (see its job.log); "
+                             "give another --out, or remove that job's folder to run it again")
+
+
+def record(job: Job) -> dict[str, Any]:
+    """What a job's result depends on: its command, and the content of its config file."""
+    configs = [Path(v) for k, v in zip(job.argv, job.argv[1:]) if k == "--config"]
+    return {"argv": job.argv, "configs": {str(c): hashlib.sha256(c.read_bytes()).hexdigest()
+                                          for c in configs if c.is_file()}}
+
+
+def _read_timings(out: Path) -> dict[str, float]:
+    try:
+        return json.loads((out / "timings.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _run(job: Job, folder: Path) -> float:
+    folder.mkdir(parents=True, exist_ok=True)
+    argv = list(job.argv)
+    last = log_dir(folder) / "checkpoints" / "last.ckpt"
+    if job.resume and last.is_file():
+        argv += ["--ckpt_path", str(last)]
+    start = time.perf_counter()
+    with open(folder / "job.log", "a", encoding="utf-8") as log:
+        log.write(f"$ python -m {' '.join(argv)}\n")
+        log.flush()
+        finished = subprocess.run([sys.executable, "-m", *argv], stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "COLUMNS": "120"})
+    seconds = time.perf_counter() - start
+    if finished.returncode != 0 or not (folder / job.result).is_file():
+        tail = (folder / "job.log").read_text(encoding="utf-8", errors="replace")[-2000:]
+        raise RuntimeError(f"repro job '{job.name}' failed (exit {finished.returncode}); its log is "
+                           f"{folder / 'job.log'}; it ends with:\n{tail}")
+    atomic_write_text(folder / "command.json", json.dumps(record(job)))
+    return seconds
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1); the deviation of one value is 0."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarise(plan: Plan, out: Path, timings: dict[str, float]) -> dict[str, Any]:
+    rows = []
+    for row in plan.rows:
+        finished = {j.name for j in plan.jobs if done(j, out)}
+        per_seed = {seed: row.read(out / job) for seed, job in row.jobs.items() if job in finished}
+        summary: dict[str, Any] = {"table": row.table, "row": row.name, "seeds": sorted(per_seed),
+                                   "per_seed": {str(s): v for s, v in per_seed.items()}, "note": row.note}
+        for metric in METRICS:
+            values = [v[metric] for v in per_seed.values() if v.get(metric) is not None]
+            summary[metric] = list(mean_std(values)) if values else None
+        rows.append(summary)
+    return {"title": plan.title, "conditions": conditions(timings), "settings": plan.settings, "rows": rows}
+
+
+def conditions(timings: dict[str, float]) -> dict[str, Any]:
+    """Date, machine, precision and wall time: what a reader needs to judge a figure."""
+    import torch
+
+    from hieragent.precision import machine_precision
+
+    precision, reason = machine_precision("cpu" if not torch.cuda.is_available() else "auto")
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": machine(),
+            "cpu_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "machine_precision": f"{precision} ({reason})",
+            "wall_time_s": round(sum(timings.values()), 1),
+            "job_wall_time_s": {k: round(v, 1) for k, v in timings.items()}}
+
+
+def precisions(out: Path, jobs: list[Job]) -> str:
+    """The ``trainer.precision`` the jobs ran in (from each run's saved ``config.yaml``)."""
+    import yaml
+
+    found = set()
+    for job in jobs:
+        config = log_dir(out / job.name) / "config.yaml"
+        if config.is_file():
+            found.add(str(yaml.safe_load(config.read_text(encoding="utf-8"))["trainer"]["precision"]))
+    return ", ".join(sorted(found)) or "none (no hieragent run)"
+
+
+def machine() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """Each table of ``results`` as markdown: mean ± std over seeds, and the seed count."""
+    c = results["conditions"]
+    lines = [f"{results['title']}: {c['date']}, {c['machine']}, {c['cpu_cores']} cores, "
+             f"{c['precision']}, {c['wall_time_s'] / 60:.0f} min of jobs", ""]
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for row in results["rows"]:
+        tables.setdefault(row["table"], []).append(row)
+    for table, rows in tables.items():
+        lines += [f"**{table}**", "", "| row | seeds | success | return | length |", "|---|---:|---:|---:|---:|"]
+        for row in rows:
+            cells = [_cell(row[m], len(row["seeds"])) for m in METRICS]
+            lines.append(f"| {row['row']} | {len(row['seeds'])} | {' | '.join(cells)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _cell(value: list[float] | None, n: int) -> str:
+    if value is None:
+        return "not run" if n == 0 else "—"
+    mean, std = value
+    return f"{mean:.3f} ± {std:.3f}" if n > 1 else f"{mean:.3f}"
+
+
+def eval_after(folder: Path, start: Path | None = None) -> dict[str, Any]:
+    """A ``fit`` job's held-out result after training, its learning curve (held-out success
+    against training env steps: before, each validation, after) and its env steps. A run
+    that skipped its own "before" evaluation starts its curve at the result of the job
+    ``start`` it was initialised from."""
+    run = log_dir(folder)
+    summary = json.loads((run / "eval_summary.json").read_text(encoding="utf-8"))
+    before = summary.get("before") or (eval_after(start) if start is not None else None)
+    curve = [{"env_steps": 0, **_point(before)}] if before else []
+    if (run / "curve.jsonl").is_file():
+        curve += [json.loads(line) for line in (run / "curve.jsonl").read_text().splitlines() if line]
+    curve.append({"env_steps": summary.get("env_steps"), **_point(summary["after"])})
+    return {**_point(summary["after"]), "env_steps": summary.get("env_steps"),
+            "updates": summary.get("updates"), "curve": curve}
+
+
+def eval_before(folder: Path) -> dict[str, Any]:
+    """A ``fit`` job's held-out result before training."""
+    summary = json.loads((log_dir(folder) / "eval_summary.json").read_text(encoding="utf-8"))
+    return _point(summary["before"])
+
+
+def _point(row: dict[str, Any]) -> dict[str, Any]:
+    return {m: row.get(m) for m in METRICS}
+

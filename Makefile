@@ -7,7 +7,7 @@ CONFIG ?= configs/babyai_hier.yaml
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hieragent-installed
 
-.PHONY: install train train-flat test test-slow bench-objective bench-memory bench-rollout device-check textworld-games demos warmstart expert-table ablation-memory clean
+.PHONY: install train train-flat test test-slow bench-objective bench-memory bench-rollout device-check textworld-games demos warmstart expert-table ablation-memory repro-babyai repro-games clean
 
 install: $(STAMP)
 
@@ -74,6 +74,16 @@ expert-table: install
 # the tiny RL run with no bank, a fixed bank, a trained + evolving bank, and + contrastive (3 seeds)
 ablation-memory: install
 	$(BIN)/python -m hieragent.bench.memory_ablation
+
+# SmolLM2-135M on BabyAI: bot, untrained, warm start, warm start + RL (flat; hierarchical + bank),
+# 3 RL seeds at equal env steps; resumable (hieragent/repro/babyai.py). REPRO_ARGS=--quick: minutes
+REPRO_ARGS ?=
+repro-babyai: install
+	$(BIN)/python -m hieragent.repro.babyai $(REPRO_ARGS)
+
+# the same recipe on FrozenLake-4x4 (hierarchical + bank only; hieragent/repro/games.py)
+repro-games: install
+	$(BIN)/python -m hieragent.repro.games $(REPRO_ARGS)
 
 clean:
 	rm -rf lightning_logs .pytest_cache

@@ -32,3 +32,21 @@ def tiny_lm(tokenizer):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     lm.eval()
     return lm
+
+
+@pytest.fixture(scope="session")
+def repro_quick(tmp_path_factory):
+    """``python -m hieragent.repro.babyai --quick`` on one small level, run once per session:
+    the folder it wrote (the tests of the runner and the results notebook read it)."""
+    import subprocess
+    import sys
+
+    from cli_helpers import make_workspace
+
+    work = make_workspace(tmp_path_factory.mktemp("repro"))
+    out = work / "repro_babyai_quick"
+    done = subprocess.run([sys.executable, "-m", "hieragent.repro.babyai", "--quick", "--out", str(out),
+                           "--levels", "BabyAI-GoToRedBallNoDists-v0"], cwd=work, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return work, out, done

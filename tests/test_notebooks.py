@@ -1,4 +1,5 @@
-"""Every notebook executes top to bottom against a real (short) training run."""
+"""Every notebook executes top to bottom against a real (short) training run, or the
+results notebook against a real ``--quick`` reproduction."""
 
 import nbformat
 import pytest
@@ -22,9 +23,10 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_executes(path, finished_run, monkeypatch):
+def test_notebook_executes(path, finished_run, repro_quick, monkeypatch):
     work, run = finished_run
     monkeypatch.setenv("HIERAGENT_RUN", str(run))
+    monkeypatch.setenv("HIERAGENT_REPRO", str(repro_quick[1]))  # results.ipynb reads a repro's folder
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3",
@@ -34,4 +36,5 @@ def test_notebook_executes(path, finished_run, monkeypatch):
     assert len(images) >= 3, f"{path.name} drew {len(images)} figures"
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                    for o in c.get("outputs", []))
-    assert str(run) in text  # it read the run it was pointed at
+    # it read the run it was pointed at
+    assert str(repro_quick[1] if path.name == "results.ipynb" else run) in text

@@ -1,124 +1,24 @@
 """``make repro-babyai``: does a real LM get better with hieragent on BabyAI, and do the
 hierarchy and the bank help?
 
-    python -m hieragent.repro.babyai [--quick] [--out DIR] [--levels ...] [--seeds 0 1 2]
+    python -m hieragent.repro.babyai [--quick] [--out DIR] [--levels ...] [--seeds 0 1 2] [--only GLOB]
 
-Rows, per level, all on the same held-out seeds (``data.eval_episodes`` of them, greedy):
-  * **BabyAI bot**: minigrid's expert (success and length; its return is not recorded).
-  * **untrained, flat** and **untrained, hierarchical + bank**: SmolLM2-135M with fresh
-    adapters (the warm-start runs' evaluation before training).
-  * **warm start, flat** and **warm start, hierarchical + bank**: supervised on the bot's
-    demonstrations (GLIDER's stage 1), from the training seeds.
-  * **warm start + RL, flat** (executor only, no bank) and **warm start + RL, hierarchical +
-    trained, evolving bank**: RL from the matching warm start, one run per seed, each
-    stopped at the same number of training env steps (``EnvStepBudget``), with a learning
-    curve (held-out success at a few points on the way, ``LearningCurve``).
-
-``--quick`` runs the same jobs on the tiny random Llama with a handful of episodes: the
-path is the same, the figures mean nothing (``make test`` runs it). A rerun skips finished
-jobs and resumes an interrupted fit (``repro/runner.py``).
+SmolLM2-135M (``configs/repro_babyai.yaml``) on GoToLocal and PickupLoc, through the warm
+start + RL recipe of ``recipe.py``: the BabyAI bot, untrained, warm start, and warm start +
+RL, flat (executor only) and hierarchical + trained, evolving bank, 3 RL seeds at equal
+training env steps.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-from functools import partial
-from pathlib import Path
-from typing import Any
-
-from hieragent.repro.runner import Job, Plan, Row, eval_after, eval_before, log_dir, logger_args, run_plan
+from hieragent.repro import recipe
 
 LEVELS = ["BabyAI-GoToLocal-v0", "BabyAI-PickupLoc-v0"]
 CONFIG = "configs/repro_babyai.yaml"
 
-# the full run (SmolLM2-135M); sized for the issue's budget, see the README's table notes
-FULL = {"model": [], "demos": 256, "sft_steps": 30, "lr_sft": 5e-4, "env_steps": 1600,
-        "val_every": 10, "eval": []}
-# the same jobs on the tiny random Llama, a few episodes each: minutes, for make test
-QUICK = {"model": ["--model.model", "tiny", "--model.lora.r", "4", "--model.lora.alpha", "8",
-                   "--trainer.precision", "32-true", "--data.seeds_per_batch", "2",
-                   "--data.group_size", "2", "--data.max_episode_steps", "8"],
-         "demos": 8, "sft_steps": 2, "lr_sft": 1e-2, "env_steps": 40, "val_every": 2,
-         "eval": ["--data.eval_episodes", "4", "--data.eval_batch", "4"]}
-FLAT = ["--model.rollout.hierarchical", "false", "--model.memory.enabled", "false"]
-
-
-def callbacks(*extra: dict[str, Any], before: bool = True) -> list[str]:
-    """The job's whole callback list (it replaces the config's), as one CLI value."""
-    items = [{"class_path": "hieragent.lightning.callbacks.BeforeAfterEval", "init_args": {"before": before}},
-             {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-              "init_args": {"save_last": True, "every_n_train_steps": 1}},
-             {"class_path": "hieragent.lightning.callbacks.UpdateProgressBar"},
-             *extra]
-    return ["--trainer.callbacks", json.dumps(items)]
-
-
-def plan(out: Path, quick: bool = False, levels: list[str] | None = None,
-         seeds: list[int] | None = None) -> Plan:
-    s = QUICK if quick else FULL
-    seeds = seeds if seeds is not None else ([0] if quick else [0, 1, 2])
-    jobs: list[Job] = []
-    rows: list[Row] = []
-    for level in levels or LEVELS:
-        short = level.removeprefix("BabyAI-").removesuffix("-v0")
-        base = ["hieragent.cli", "--config", CONFIG, "--data.env", level, *s["model"], *s["eval"]]
-        episodes = next((int(v) for k, v in zip(s["eval"], s["eval"][1:]) if k == "--data.eval_episodes"), 128)
-
-        def fit(name: str, *args: str) -> list[str]:
-            return [base[0], "fit", *base[1:], *logger_args(out / name), *args]
-
-        jobs.append(Job(f"{short}/bot", ["hieragent.repro.expert", "--env", level, "--episodes", str(episodes),
-                                         "--out", str(out / short / "bot" / "result.json")], "result.json"))
-        level_rows = [Row(level, "BabyAI bot", {0: f"{short}/bot"}, _expert)]
-        demos = out / short / "demos" / "demos.jsonl"
-        jobs.append(Job(f"{short}/demos", ["hieragent.rollout.demos", "--env", level, "--episodes",
-                                           str(s["demos"]), "--out", str(demos)], "demos.jsonl"))
-        for variant, extra in (("flat", FLAT), ("hier", [])):
-            label = "flat (executor only)" if variant == "flat" else "hierarchical + trained, evolving bank"
-            sft = f"{short}/sft_{variant}"
-            lr = str(s["lr_sft"])
-            jobs.append(Job(sft, fit(sft, *extra, "--data.demos", str(demos), "--trainer.max_steps",
-                                     str(s["sft_steps"]), "--model.lr_planner", lr, "--model.lr_executor", lr,
-                                     *callbacks()), "run/version_0/eval_summary.json", resume=True))
-            warm = log_dir(out / sft) / "checkpoints" / "last.ckpt"
-            runs = {}
-            for seed in seeds:
-                name = f"{short}/rl_{variant}/seed{seed}"
-                budget = {"class_path": "hieragent.lightning.callbacks.EnvStepBudget",
-                          "init_args": {"max_env_steps": s["env_steps"]}}
-                curve = {"class_path": "hieragent.lightning.callbacks.LearningCurve"}
-                jobs.append(Job(name, fit(name, *extra, "--model.init_from", str(warm), "--seed_everything",
-                                          str(seed), "--data.train_seed", str(1000 * (seed + 1)),
-                                          "--trainer.val_check_interval", str(s["val_every"]),
-                                          "--trainer.check_val_every_n_epoch", "null",
-                                          *callbacks(budget, curve, before=False)),
-                                "run/version_0/eval_summary.json", resume=True))
-                runs[seed] = name
-            level_rows += [Row(level, f"untrained, {label}", {0: sft}, eval_before),
-                           Row(level, f"warm start, {label}", {0: sft}, eval_after),
-                           Row(level, f"warm start + RL, {label}", runs, partial(eval_after, start=out / sft),
-                               note=f"{s['env_steps']} training env steps per seed")]
-        rows += level_rows
-    settings = {"quick": quick, "config": CONFIG, "seeds": seeds, **s}
-    return Plan("repro-babyai" + (" --quick" if quick else ""), jobs, rows, settings)
-
-
-def _expert(folder: Path) -> dict[str, Any]:
-    return json.loads((folder / "result.json").read_text(encoding="utf-8"))
-
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the tiny model, a few episodes: a smoke run")
-    p.add_argument("--out", type=Path, default=None, help="default: lightning_logs/repro_babyai[_quick]")
-    p.add_argument("--levels", nargs="+", default=None, help=f"default: {' '.join(LEVELS)}")
-    p.add_argument("--seeds", nargs="+", type=int, default=None, help="RL seeds (default 0 1 2; quick: 0)")
-    p.add_argument("--only", default=None, help="run only the jobs whose name matches this glob, "
-                   "e.g. 'GoToLocal/*' or '*/sft_*'; the table shows what is done")
-    a = p.parse_args(argv)
-    out = a.out or Path("lightning_logs") / ("repro_babyai_quick" if a.quick else "repro_babyai")
-    run_plan(plan(out, a.quick, a.levels, a.seeds), out, only=a.only)
+    recipe.main("repro-babyai", CONFIG, LEVELS, argv, expert="BabyAI bot")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rich.progress import track
 
-from hieragent.envs.base import EVAL_SEED_OFFSET
+from hieragent.envs.base import EVAL_SEED_OFFSET, check_env_name
 from hieragent.envs.reference import expert_episode
 from hieragent.io import atomic_write_text
 
@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--episodes", type=int, required=True)
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
+    try:
+        check_env_name(a.env)
+    except ValueError as err:
+        raise SystemExit(f"hieragent.repro.expert: {err}") from None
     seeds = range(EVAL_SEED_OFFSET, EVAL_SEED_OFFSET + a.episodes)
     played = [expert_episode(a.env, s) for s in track(seeds, description=f"expert on {a.env}")]
     result = {"success": statistics.fmean(float(ok) for ok, _ in played),

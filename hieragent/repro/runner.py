@@ -96,12 +96,13 @@ def run_plan(plan: Plan, out: Path, console: Console | None = None, only: str | 
     out.mkdir(parents=True, exist_ok=True)
     check_commands(plan, out)
     timings = _read_timings(out)
-    todo = [j for j in plan.jobs if not done(j, out) and (only is None or fnmatch(j.name, only))]
-    if len(todo) < len(plan.jobs):
-        console.print(f"{len(plan.jobs) - len(todo)} of {len(plan.jobs)} jobs already done in {out}")
+    chosen = [j for j in plan.jobs if only is None or fnmatch(j.name, only)]
+    todo = [j for j in chosen if not done(j, out)]
+    if len(todo) < len(chosen):
+        console.print(f"{len(chosen) - len(todo)} of {len(chosen)} jobs already done in {out}")
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
     with Progress(*columns, console=console) as progress:
-        bar = progress.add_task(plan.title, total=len(plan.jobs), completed=len(plan.jobs) - len(todo))
+        bar = progress.add_task(plan.title, total=len(chosen), completed=len(chosen) - len(todo))
         for job in todo:
             progress.update(bar, description=f"{plan.title}: {job.name}")
             timings[job.name] = timings.get(job.name, 0.0) + _run(job, out / job.name)

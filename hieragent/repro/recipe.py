@@ -24,6 +24,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from hieragent.repro.runner import Job, Plan, Row, eval_after, eval_before, log_dir, logger_args, run_plan
 
 # the full run (SmolLM2-135M); sized for the issue's budget, see the README's table notes
@@ -60,14 +62,14 @@ def plan(title: str, config: str, levels: list[str], out: Path, quick: bool = Fa
     for level in levels:
         short = level.removeprefix("BabyAI-").removesuffix("-v0")
         base = ["hieragent.cli", "--config", config, "--data.env", level, *s["model"], *s["eval"]]
-        episodes = next((int(v) for k, v in zip(s["eval"], s["eval"][1:]) if k == "--data.eval_episodes"), 128)
+        episodes = eval_episodes(config, s["eval"])
 
         def fit(name: str, *args: str) -> list[str]:
             return [base[0], "fit", *base[1:], *logger_args(out / name), *args]
 
-        jobs.append(Job(f"{short}/bot", ["hieragent.repro.expert", "--env", level, "--episodes", str(episodes),
-                                         "--out", str(out / short / "bot" / "result.json")], "result.json"))
-        level_rows = [Row(level, expert, {0: f"{short}/bot"}, _expert)]
+        jobs.append(Job(f"{short}/expert", ["hieragent.repro.expert", "--env", level, "--episodes", str(episodes),
+                                            "--out", str(out / short / "expert" / "result.json")], "result.json"))
+        level_rows = [Row(level, expert, {0: f"{short}/expert"}, _expert)]
         demos = out / short / "demos" / "demos.jsonl"
         jobs.append(Job(f"{short}/demos", ["hieragent.rollout.demos", "--env", level, "--episodes",
                                            str(s["demos"]), "--out", str(demos)], "demos.jsonl"))
@@ -99,6 +101,14 @@ def plan(title: str, config: str, levels: list[str], out: Path, quick: bool = Fa
         rows += level_rows
     settings = {"quick": quick, "config": config, "seeds": seeds, **s}
     return Plan(title + (" --quick" if quick else ""), jobs, rows, settings)
+
+
+def eval_episodes(config: str, args: list[str]) -> int:
+    """``data.eval_episodes`` as the jobs will run it: the flag if given, else the config's."""
+    for key, value in zip(args, args[1:]):
+        if key == "--data.eval_episodes":
+            return int(value)
+    return int(yaml.safe_load(Path(config).read_text(encoding="utf-8"))["data"]["eval_episodes"])
 
 
 def _expert(folder: Path) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from peft import PeftModel
 
 from cli_helpers import make_workspace, run_cli as run
 from hieragent.agent_command import play
+from hieragent.cli import check_checkpoint
 from hieragent.envs.pool import EnvPool
 from hieragent.lightning.export import export_agent, module_from
 from hieragent.models.loading import load_causal_lm
@@ -135,20 +136,18 @@ def test_play_prints_the_episode_that_test_would_play(run_dir, ckpt, exported, t
     assert play(exported, "BabyAI-GoToRedBallNoDists-v0", 1000002)["turns"] == episode["turns"]
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["export", "--out", "notes"], "'notes' exists and is not an exported agent"),
-    (["play", "--env", "BabyAI-Foo-v0"], "BabyAI-Foo-v0"),
-    (["test", "--config", "configs/tiny.yaml", "--ckpt_path", "agent"], "--model.init_from agent"),
-])
-def test_bad_input_fails_in_one_line(run_dir, ckpt, exported, args, expected):
-    workdir = run_dir[0]
-    if args[0] in ("export", "play"):
-        args = [args[0], "--ckpt_path", str(ckpt), *args[1:]]
-    (workdir / "notes").mkdir(exist_ok=True)
-    (workdir / "notes" / "keep.txt").write_text("mine")
-    out = run(args, workdir)
-    assert out.returncode == 2 and expected in out.stderr, out.stderr[-2000:]
-    assert [p.name for p in (workdir / "notes").iterdir()] == ["keep.txt"]  # nothing lost
+def test_bad_input_fails_clearly_and_loses_nothing(run_dir, ckpt, exported, tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="'.*notes' exists and is not an exported agent"):
+        export_agent(ckpt, tmp_path / "notes")
+    assert [p.name for p in (tmp_path / "notes").iterdir()] == ["keep.txt"]
+    with pytest.raises(ValueError, match="BabyAI-Foo-v0"):
+        play(ckpt, "BabyAI-Foo-v0", 1000000)
+    with pytest.raises(ValueError, match=f"--model.init_from {exported}"):
+        check_checkpoint(str(exported))  # `hieragent test --ckpt_path <folder>`
+    out = run(["export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "notes")], run_dir[0])
+    assert out.returncode == 2 and out.stderr.startswith("hieragent: error: --out")  # one line
 
 
 def test_an_export_missing_an_adapter_is_refused_by_name(ckpt, tmp_path):

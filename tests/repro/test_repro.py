@@ -39,7 +39,7 @@ def test_every_row_comes_from_its_jobs_files(repro_quick):
     assert list(rows) == ROWS and all(r["table"] == LEVEL for r in rows.values())
     short = "GoToRedBallNoDists"
     run = lambda job: out / short / job / "run" / "version_0"  # noqa: E731
-    bot = read_json(out / short / "bot" / "result.json")
+    bot = read_json(out / short / "expert" / "result.json")
     assert rows["BabyAI bot"]["per_seed"]["0"] == {k: bot[k] for k in ("success", "length", "return", "episodes")}
     for variant, label in (("flat", ROWS[1].split(", ")[1]), ("hier", ROWS[4].split(", ", 1)[1])):
         sft = read_json(run(f"sft_{variant}") / "eval_summary.json")

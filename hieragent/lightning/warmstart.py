@@ -97,6 +97,9 @@ def imitation_step(module, demos: list[Demonstration]) -> dict[str, float]:
             total += float(nll.detach().sum())
         stats[f"sft/{role}_nll"] = total / len(items)
         stats[f"sft/{role}_turns"] = float(len(items))
+        # what the step computes on: each turn's prompt and its output (every candidate, in score mode)
+        stats[f"sft/{role}_tokens"] = float(sum(len(t.prompt_ids) + sum(map(len, t.candidate_ids or [t.action_ids]))
+                                                for t in items))
     step = guarded_step(opt, module.objective.max_grad_norm,
                         skip=None if finite else "non-finite imitation loss")
     stats["train/skipped_step"] = float(step.skipped is not None)

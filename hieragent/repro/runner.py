@@ -108,7 +108,8 @@ def run_plan(plan: Plan, out: Path, console: Console | None = None, only: str | 
             timings[job.name] = timings.get(job.name, 0.0) + _run(job, out / job.name)
             atomic_write_text(out / "timings.json", json.dumps(timings, indent=1))
             progress.advance(bar)
-    results = summarise(plan, out, timings)
+    names = {j.name for j in plan.jobs}  # a job renamed since keeps its time in timings.json only
+    results = summarise(plan, out, {k: v for k, v in timings.items() if k in names})
     results["conditions"]["precision"] = precisions(out, plan.jobs)
     atomic_write_text(out / "results.json", json.dumps(results, indent=1))
     atomic_write_text(out / "results.md", markdown(results))

@@ -83,6 +83,8 @@ def test_warm_start_raises_success_and_rl_starts_from_its_checkpoint(workspace):
     assert summary["after"]["success"] >= 0.6
     nll = _rows(run / "metrics.csv", "sft/executor_nll")
     assert len(nll) == 12 and sum(nll[-3:]) < 0.5 * sum(nll[:3])
+    tokens, turns = _rows(run / "metrics.csv", "sft/executor_tokens"), _rows(run / "metrics.csv", "sft/executor_turns")
+    assert len(tokens) == 12 and all(40 <= a / b <= 400 for a, b in zip(tokens, turns))  # a prompt and its candidates
 
     ckpt = run / "checkpoints/last.ckpt"
     rl = run_cli(["fit", "--config", "configs/tiny_learn.yaml", "--model.init_from", str(ckpt),

@@ -131,8 +131,10 @@ def setting_differences(given: Any, saved: Any) -> dict[str, tuple[Any, Any]]:
 
 def check_checkpoint(path: str) -> None:
     """A checkpoint path must be a readable torch checkpoint before any work starts."""
+    from hieragent.lightning.export import is_export
+
     p = Path(path)
-    if (p / "hieragent.json").is_file():
+    if is_export(p):
         raise ValueError(f"ckpt_path '{path}' is an exported agent, not a checkpoint: start from it "
                          f"with --model.init_from {path}")
     if not p.is_file():

@@ -84,6 +84,14 @@ def scratch_dir(path: str | os.PathLike, prefix: str | None = None) -> Iterator[
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def sync_files(folder: str | os.PathLike) -> None:
+    """fsync every file below ``folder`` (files a library wrote), before a rename publishes it."""
+    for path in Path(folder).rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+
 def swap_dir(built: str | os.PathLike, path: str | os.PathLike) -> None:
     """Rename the finished folder ``built`` onto ``path``, all at once.
 

@@ -27,7 +27,7 @@ import torch
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file, save
 
-from hieragent.io import scratch_dir, swap_dir, write_synced
+from hieragent.io import scratch_dir, swap_dir, sync_files, write_synced
 from hieragent.lightning.state import read_checkpoint
 
 EXPORT_FORMAT = 1
@@ -86,6 +86,7 @@ def export_agent(ckpt_path: str | Path, out: str | Path) -> Path:
     }
     with scratch_dir(out) as tmp:
         module.lm.save_pretrained(tmp, selected_adapters=roles)  # PEFT: tmp/<role>/ per adapter
+        sync_files(tmp)
         for name, part in _parts(module).items():
             if part is not None:
                 blob = save({k: v.detach().contiguous() for k, v in part.state_dict().items()})

@@ -7,7 +7,7 @@ CONFIG ?= configs/babyai_hier.yaml
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hieragent-installed
 
-.PHONY: install train train-flat test test-slow bench-objective bench-memory bench-rollout device-check textworld-games demos warmstart expert-table ablation-memory repro-babyai repro-games clean
+.PHONY: install train train-flat test test-slow bench-objective bench-memory bench-rollout device-check textworld-games demos warmstart expert-table ablation-memory repro-babyai repro-games repro-offpolicy clean
 
 install: $(STAMP)
 
@@ -84,6 +84,11 @@ repro-babyai: install
 # the same recipe on FrozenLake-4x4 (hierarchical + bank only; hieragent/repro/games.py)
 repro-games: install
 	$(BIN)/python -m hieragent.repro.games $(REPRO_ARGS)
+
+# stale training with multi-token turns (generate mode): token PPO, turn IS, GSPO, turn IS +
+# clip normalization against an on-policy run, 3 seeds; resumable (hieragent/repro/offpolicy.py)
+repro-offpolicy: install
+	$(BIN)/python -m hieragent.repro.offpolicy $(REPRO_ARGS)
 
 clean:
 	rm -rf lightning_logs .pytest_cache

@@ -86,21 +86,34 @@ def transcript(trajectory: Trajectory, watched: _Watched, bank) -> list[dict[str
     return out
 
 
+def play_pool(source: str | Path, env: str, max_steps: int | None = None):
+    """A one-env pool of ``env`` as the run behind ``source`` built its pools (episode cap,
+    invalid-action penalty, loop guard, workers; its env options only for its own env)."""
+    import inspect
+
+    from hieragent.lightning.datamodule import RolloutDataModule
+    from hieragent.lightning.export import saved_data_settings
+
+    known = inspect.signature(RolloutDataModule).parameters
+    data = {k: v for k, v in saved_data_settings(source).items() if k in known}
+    if env != data.get("env"):
+        data.pop("env_options", None)
+    if max_steps is not None:
+        data["max_episode_steps"] = max_steps
+    data.update(env=env, test_envs=None)
+    return RolloutDataModule(**data).eval_pool(1, env)
+
+
 def play(source: str | Path, env: str, seed: int, greedy: bool = True,
          max_steps: int | None = None) -> dict[str, Any]:
     """One episode of the agent in checkpoint or exported folder ``source`` on ``env``'s
     ``seed``; returns the transcript as a dict (see ``print_transcript``)."""
     import torch
 
-    from hieragent.envs.pool import EnvPool
-    from hieragent.lightning.export import module_from, saved_data_settings
+    from hieragent.lightning.export import module_from
 
-    data = saved_data_settings(source)
-    env_kwargs = {"max_steps": max_steps if max_steps is not None else data.get("max_episode_steps"),
-                  "invalid_penalty": data.get("invalid_penalty", 0.1),
-                  **(data.get("env_options") or {} if env == data.get("env") else {})}
     module = module_from(source, "hieragent play")
-    with EnvPool.make(env, 1, **env_kwargs) as pool:
+    with play_pool(source, env, max_steps) as pool:
         watched = _Watched(pool)
         generator = None if greedy else torch.Generator().manual_seed(seed)
         batch = module.collect(watched, [seed], [0], greedy=greedy, generator=generator)

@@ -50,3 +50,20 @@ def repro_quick(tmp_path_factory):
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return work, out, done
+
+
+@pytest.fixture(scope="session")
+def offpolicy_quick(tmp_path_factory):
+    """``python -m hieragent.repro.offpolicy --quick``, run once per session: the folder it
+    wrote (its tests and the results notebook read it)."""
+    import subprocess
+    import sys
+
+    from cli_helpers import make_workspace
+
+    work = make_workspace(tmp_path_factory.mktemp("offpolicy"))
+    out = work / "repro_offpolicy_quick"
+    done = subprocess.run([sys.executable, "-m", "hieragent.repro.offpolicy", "--quick", "--out", str(out)],
+                          cwd=work, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return work, out, done

@@ -80,7 +80,8 @@ def export_agent(ckpt_path: str | Path, out: str | Path) -> Path:
         "global_step": int(checkpoint.get("global_step", 0)),
         # what `hieragent play` needs to build the run's envs
         "data": {k: data.get(k) for k in ("env", "test_envs", "max_episode_steps", "invalid_penalty",
-                                          "env_options")},
+                                          "env_options", "workers", "step_timeout", "loop_guard",
+                                          "loop_penalty") if k in data},
         "held_out": _held_out(Path(ckpt_path), int(checkpoint.get("global_step", 0))),
         "settings": _plain(settings),
     }

@@ -7,6 +7,9 @@ warm start it is a frozen copy of each warm-start adapter, ``<name>_ref`` (a few
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -45,14 +48,25 @@ def _config(settings: LoraSettings) -> LoraConfig:
     )
 
 
+@contextmanager
+def _tied_head_allowed() -> Iterator[None]:
+    """An adapted output head of a tied model (``target_modules`` with ``lm_head``): PEFT
+    warns about merging and format conversion, neither of which hieragent does (adapters
+    are saved as they are, see ``lightning/export.py``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*tied layer is part of the adapter", category=UserWarning)
+        yield
+
+
 def add_adapters(model: PreTrainedModel, names: list[str], settings: LoraSettings) -> PeftModel:
     """Wrap ``model`` with one LoRA adapter per name; the base weights are frozen."""
     if not names:
         raise ValueError("add_adapters needs at least one adapter name")
     config = _config(settings)
-    peft_model = get_peft_model(model, config, adapter_name=names[0])
-    for name in names[1:]:
-        peft_model.add_adapter(name, config)
+    with _tied_head_allowed():
+        peft_model = get_peft_model(model, config, adapter_name=names[0])
+        for name in names[1:]:
+            peft_model.add_adapter(name, config)
     # PEFT marks only the active adapter trainable; both policies train jointly.
     for pname, param in peft_model.named_parameters():
         param.requires_grad_(any(f".{n}." in pname for n in names) and "lora_" in pname)
@@ -75,7 +89,8 @@ def add_reference_adapters(model: PeftModel, names: list[str], settings: LoraSet
     refs = []
     for name in names:
         ref = f"{name}{REFERENCE_SUFFIX}"
-        model.add_adapter(ref, _config(settings))
+        with _tied_head_allowed():
+            model.add_adapter(ref, _config(settings))
         refs.append(ref)
     for pname, param in model.named_parameters():
         for name, ref in zip(names, refs):

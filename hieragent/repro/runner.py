@@ -24,7 +24,7 @@ import sys
 import time
 from fnmatch import fnmatch
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,24 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from hieragent.io import atomic_write_text
 
 METRICS = ("success", "return", "length")
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of a results table, over a row's seeds.
+
+    ``kind``: ``mean`` (mean ± sample std of a number), ``count`` (in how many seeds a flag
+    is true, of how many) or ``seeds`` (each seed's value of ``key``, in seed order).
+    Numbers are shown with ``digits`` decimals.
+    """
+
+    key: str
+    header: str
+    kind: str = "mean"
+    digits: int = 3
+
+
+COLUMNS = (Column("success", "success"), Column("return", "return"), Column("length", "length"))
 
 
 @dataclass
@@ -75,6 +93,7 @@ class Plan:
     jobs: list[Job]
     rows: list[Row]
     settings: dict[str, Any] = field(default_factory=dict)
+    columns: tuple[Column, ...] = COLUMNS
 
 
 def log_dir(folder: Path) -> Path:
@@ -178,11 +197,16 @@ def summarise(plan: Plan, out: Path, timings: dict[str, float]) -> dict[str, Any
         per_seed = {seed: row.read(out / job) for seed, job in row.jobs.items() if job in finished}
         summary: dict[str, Any] = {"table": row.table, "row": row.name, "seeds": sorted(per_seed),
                                    "per_seed": {str(s): v for s, v in per_seed.items()}, "note": row.note}
-        for metric in METRICS:
-            values = [v[metric] for v in per_seed.values() if v.get(metric) is not None]
-            summary[metric] = list(mean_std(values)) if values else None
+        for column in plan.columns:
+            values = [v[column.key] for v in per_seed.values() if v.get(column.key) is not None]
+            if column.kind == "mean":
+                summary[column.key] = list(mean_std(values)) if values else None
+            elif column.kind == "count":
+                summary[column.key] = [sum(bool(v) for v in values), len(values)] if values else None
         rows.append(summary)
-    return {"title": plan.title, "conditions": conditions(timings), "settings": plan.settings, "rows": rows}
+    columns = [asdict(c) for c in plan.columns]
+    return {"title": plan.title, "conditions": conditions(timings), "settings": plan.settings,
+            "columns": columns, "rows": rows}
 
 
 def conditions(timings: dict[str, float]) -> dict[str, Any]:
@@ -229,20 +253,29 @@ def markdown(results: dict[str, Any]) -> str:
     tables: dict[str, list[dict[str, Any]]] = {}
     for row in results["rows"]:
         tables.setdefault(row["table"], []).append(row)
+    columns = [Column(**c) for c in results.get("columns", [])] or list(COLUMNS)
     for table, rows in tables.items():
-        lines += [f"**{table}**", "", "| row | seeds | success | return | length |", "|---|---:|---:|---:|---:|"]
+        lines += [f"**{table}**", "", "| row | seeds | " + " | ".join(c.header for c in columns) + " |",
+                  "|---|---:|" + "---:|" * len(columns)]
         for row in rows:
-            cells = [_cell(row[m], len(row["seeds"])) for m in METRICS]
+            cells = [_cell(row, c) for c in columns]
             lines.append(f"| {row['row']} | {len(row['seeds'])} | {' | '.join(cells)} |")
         lines.append("")
     return "\n".join(lines)
 
 
-def _cell(value: list[float] | None, n: int) -> str:
+def _cell(row: dict[str, Any], column: Column) -> str:
+    n = len(row["seeds"])
+    if column.kind == "seeds":
+        values = [v.get(column.key) for v in row["per_seed"].values()]
+        return " ".join("—" if v is None else f"{v:.{column.digits}f}" for v in values) if n else "not run"
+    value = row.get(column.key)
     if value is None:
         return "not run" if n == 0 else "—"
-    mean, std = value
-    return f"{mean:.3f} ± {std:.3f}" if n > 1 else f"{mean:.3f}"
+    if column.kind == "count":
+        return f"{value[0]}/{value[1]}"
+    mean, std, d = *value, column.digits
+    return f"{mean:.{d}f} ± {std:.{d}f}" if n > 1 else f"{mean:.{d}f}"
 
 
 def eval_after(folder: Path, start: Path | None = None) -> dict[str, Any]:

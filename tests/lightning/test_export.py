@@ -7,8 +7,9 @@ import torch
 from peft import PeftModel
 
 from cli_helpers import make_workspace, run_cli as run
-from hieragent.agent_command import play
+from hieragent.agent_command import play, play_pool
 from hieragent.cli import check_checkpoint
+from hieragent.envs.guards import LoopGuard
 from hieragent.envs.pool import EnvPool
 from hieragent.lightning.export import export_agent, module_from
 from hieragent.models.loading import load_causal_lm
@@ -134,6 +135,25 @@ def test_play_prints_the_episode_that_test_would_play(run_dir, ckpt, exported, t
         direct = module.collect(pool, [1000002], [0], greedy=True).trajectories[0]
     assert [t.text for t in direct.turns] == [t.get("subgoal", t.get("action")) for t in episode["turns"]]
     assert play(exported, "BabyAI-GoToRedBallNoDists-v0", 1000002)["turns"] == episode["turns"]
+
+
+def test_play_builds_its_env_as_the_run_did(exported, tmp_path):
+    """Episode cap, invalid-action penalty and loop guard come from the run's data settings
+    (here an edited manifest), and its env options only reach its own env."""
+    import shutil
+
+    copy = tmp_path / "agent"
+    shutil.copytree(exported, copy)
+    manifest = json.loads((copy / "hieragent.json").read_text())
+    manifest["data"].update(env="FrozenLake-4x4-v0", invalid_penalty=0.25, loop_guard=3, max_episode_steps=5,
+                            env_options={"is_slippery": True})
+    (copy / "hieragent.json").write_text(json.dumps(manifest))
+    with play_pool(copy, "BabyAI-GoToRedBallNoDists-v0") as pool:  # not the run's env: no options
+        env = pool.envs[0]
+        assert isinstance(env, LoopGuard) and env.repeats == 3 and pool.invalid_penalty(0) == 0.25
+        assert env.max_steps == 5
+    with play_pool(copy, "FrozenLake-4x4-v0", max_steps=7) as pool:
+        assert pool.envs[0].max_steps == 7 and pool.envs[0].env.is_slippery
 
 
 def test_bad_input_fails_clearly_and_loses_nothing(run_dir, ckpt, exported, tmp_path):

@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"repro-offpolicy: {err}") from None
     lines = verdicts(results)
     print("\n".join(lines))
-    atomic_write_text(out / "results.md", (out / "results.md").read_text(encoding="utf-8") + "\n".join(lines) + "\n")
+    table = (out / "results.md").read_text(encoding="utf-8")
+    atomic_write_text(out / "results.md", table + "\n" + "\n".join(lines) + "\n")
 
 
 def verdicts(results: dict[str, Any]) -> list[str]:

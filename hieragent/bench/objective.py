@@ -40,17 +40,23 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from hieragent.repro.runner import mean_std
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny_learn.yaml"
 
 
-def variants(updates: int, lag: int) -> list[tuple[str, list[str]]]:
+def variants(updates: int, lag: int, sequence: bool = False) -> list[tuple[str, list[str]]]:
+    """(label, flags) of each run: the on-policy reference, then the stale objectives; with
+    ``sequence`` also GSPO's sequence-level ratio (``make repro-offpolicy`` runs it)."""
     stale = ["--model.replay.updates_per_batch", str(updates), "--model.replay.rollout_lag", str(lag),
              "--model.replay.max_staleness", str(updates * lag)]
+    gspo = [("stale, sequence (GSPO)", [*stale, "--model.objective.level", "sequence"])] if sequence else []
     return [
         ("on-policy, turn IS (reference)", ["--model.objective.level", "turn"]),
         ("stale, token PPO", [*stale, "--model.objective.level", "token"]),
         ("stale, turn IS", [*stale, "--model.objective.level", "turn"]),
+        *gspo,
         ("stale, turn IS + clip norm.", [*stale, "--model.objective.level", "turn",
                                           "--model.objective.clip_normalization", "true"]),
     ]
@@ -112,11 +118,6 @@ def summary(run_dir: Path, spike_level: float) -> dict[str, float]:
         "norm_triggered": statistics.fmean(triggered) if triggered else math.nan,
         "skipped": sum(m.get("train/skipped_step", [])),
     }
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for a single value)."""
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def fmt_mean_std(values: list[float], digits: int = 3) -> str:

@@ -36,7 +36,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from hieragent.bench.objective import interval_verdicts
+from hieragent.bench import objective
 from hieragent.io import atomic_write_text
 from hieragent.repro.recipe import callbacks
 from hieragent.repro.runner import Column, Job, Plan, Row, eval_after, eval_before, log_dir, logger_args, run_plan
@@ -51,17 +51,9 @@ REFERENCE = "onpolicy"
 
 
 def variants(updates: int, lag: int) -> dict[str, tuple[str, list[str]]]:
-    """Job name -> (row label, the run's flags)."""
-    stale = ["--model.replay.updates_per_batch", str(updates), "--model.replay.rollout_lag", str(lag),
-             "--model.replay.max_staleness", str(updates * lag)]
-    return {
-        REFERENCE: ("on-policy, turn IS (reference)", ["--model.objective.level", "turn"]),
-        "token": ("stale, token PPO", [*stale, "--model.objective.level", "token"]),
-        "turn": ("stale, turn IS", [*stale, "--model.objective.level", "turn"]),
-        "sequence": ("stale, sequence (GSPO)", [*stale, "--model.objective.level", "sequence"]),
-        "turn_norm": ("stale, turn IS + clip norm.", [*stale, "--model.objective.level", "turn",
-                                                      "--model.objective.clip_normalization", "true"]),
-    }
+    """Job name -> (row label, the run's flags): ``make bench-objective``'s runs and GSPO."""
+    names = (REFERENCE, "token", "turn", "sequence", "turn_norm")
+    return dict(zip(names, objective.variants(updates, lag, sequence=True), strict=True))
 
 
 COLUMNS = (Column("success", "success"), Column("success", "success per seed", "seeds"),
@@ -178,7 +170,7 @@ def verdicts(results: dict[str, Any]) -> list[str]:
           if "series" in next(iter(r["per_seed"].values()), {})}
     if any(len(v) < 2 for v in rl.values()):
         return ["(one seed per row: no interval to compare)"]
-    return interval_verdicts(rl)
+    return objective.interval_verdicts(rl)
 
 
 if __name__ == "__main__":

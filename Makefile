@@ -36,7 +36,8 @@ test-slow: install
 bench-objective: install
 	$(BIN)/python -m hieragent.bench.objective
 
-# exact vs IVF/HNSW search at 10k-1M bank keys; prints a table (see hieragent/bench/memory.py)
+# the machine's fp32/bf16 peaks, exact vs IVF/fast-scan/HNSW search at 10k-1M bank keys, the bank's
+# upkeep per update and the step stall across an index retrain (see hieragent/bench/memory.py)
 bench-memory: install
 	$(BIN)/python -m hieragent.bench.memory
 

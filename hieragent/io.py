@@ -29,6 +29,11 @@ def _umask() -> int:
 _DEFAULT_MODE = 0o666 & ~_umask()  # what a plain open() would have created
 
 
+def cache_dir() -> Path:
+    """Where converted models and measurements live: ``$HIERAGENT_CACHE`` or ``~/.cache/hieragent``."""
+    return Path(os.environ.get("HIERAGENT_CACHE", Path.home() / ".cache" / "hieragent"))
+
+
 def write_synced(path: str | os.PathLike, write: Callable[[IO], Any], binary: bool = False) -> None:
     """Open ``path``, call ``write(f)`` and fsync, so that a rename after it cannot publish an
     empty or torn file. Not atomic by itself: use it inside a folder that is renamed into

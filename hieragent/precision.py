@@ -34,6 +34,13 @@ def fastest(fn, seconds: float) -> float:
     return best
 
 
+def matmul_peak(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0) -> float:
+    """Best GFLOP/s of a square matmul in ``dtype`` on this machine, now."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    return 2 * size ** 3 / fastest(lambda: a @ b, seconds) / 1e9
+
+
 def matmul_speedup(size: int = 512, seconds: float = 0.15) -> float:
     """Best bf16 matmul rate over best fp32 matmul rate on this CPU, measured now."""
     def best(dtype: torch.dtype) -> float:

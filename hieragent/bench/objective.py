@@ -153,10 +153,17 @@ def main(argv: list[str] | None = None) -> list[tuple[str, list[dict[str, float]
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time")
     p.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temp dir)")
+    p.add_argument("--only", nargs="+", default=None, metavar="LABEL",
+                   help="run only the stale rows whose label contains one of these (the on-policy "
+                        "reference always runs: spikes are measured against it)")
     a = p.parse_args(argv)
     work = a.out or Path(tempfile.mkdtemp(prefix="hieragent-bench-objective-"))
-    names = [name for name, _ in variants(a.updates, a.lag)]
-    specs = [(name, args, seed) for seed in a.seeds for name, args in variants(a.updates, a.lag)]
+    rows = variants(a.updates, a.lag)
+    rows = [rows[0], *(r for r in rows[1:] if a.only is None or any(o in r[0] for o in a.only))]
+    if len(rows) == 1 and a.only:
+        p.error(f"--only {a.only} matches no row; the rows are: {', '.join(name for name, _ in variants(1, 1))}")
+    names = [name for name, _ in rows]
+    specs = [(name, args, seed) for seed in a.seeds for name, args in rows]
     dirs: dict[str, list[Path]] = {name: [] for name in names}
     for (name, _, _), run_dir in zip(specs, run_all(specs, a.batches, a.updates, work, a.jobs, "bench-objective")):
         dirs[name].append(run_dir)

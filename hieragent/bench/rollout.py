@@ -54,7 +54,7 @@ from hieragent.memory.bank import MemoryBank
 from hieragent.memory.settings import MemorySettings
 from hieragent.models.loading import load_causal_lm, load_tokenizer
 from hieragent.models.lora import LoraSettings, add_adapters
-from hieragent.precision import autocast_dtype, fastest, resolve_precision
+from hieragent.precision import autocast_dtype, fastest, matmul_peak, resolve_precision
 from hieragent.rollout.loop import RolloutSettings, collect
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,13 +62,6 @@ LEVEL = "BabyAI-GoToLocal-v0"
 
 
 # -- the machine ---------------------------------------------------------------------
-def matmul_peak(dtype: torch.dtype, size: int = 1024, seconds: float = 1.0) -> float:
-    """Best GFLOP/s of a square matmul in ``dtype`` on this machine, now."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    return 2 * size ** 3 / fastest(lambda: a @ b, seconds) / 1e9
-
-
 def attention_peak(dtype: torch.dtype, rows: int = 8, queries: int = 194, keys: int = 2000,
                    seconds: float = 1.0) -> float:
     """Best GFLOP/s of masked SDPA in ``dtype`` at a history turn's shape (SmolLM2's 3 KV heads

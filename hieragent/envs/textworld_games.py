@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hieragent.envs.base import EVAL_SEED_OFFSET
-from hieragent.io import scratch_dir
+from hieragent.io import cache_dir, scratch_dir
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,8 @@ MAX_ATTEMPTS = 10  # games drawn per seed until one is playable (see _build)
 
 
 def default_games_dir() -> Path:
-    """``<cache>/textworld``, where ``<cache>`` is ``$HIERAGENT_CACHE`` or ``~/.cache/hieragent``.
-
-    The rule of ``hieragent.models.loading.cache_dir``, restated: that module imports torch and
-    transformers, too much for an env to load.
-    """
-    return Path(os.environ.get("HIERAGENT_CACHE", Path.home() / ".cache" / "hieragent")) / "textworld"
+    """``<cache>/textworld``, where ``<cache>`` is ``$HIERAGENT_CACHE`` or ``~/.cache/hieragent``."""
+    return cache_dir() / "textworld"
 
 
 def game_path(level: str, seed: int, games_dir: str | os.PathLike | None = None) -> Path:

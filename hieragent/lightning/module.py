@@ -482,11 +482,21 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
     def _update_bank(self, batch: Batch) -> None:
         if self.evolution is None:
             return
+        self._agree_on_index()
         stats, changes = self.evolution.update(batch, self.global_step, self._skill_keys)
         self._skill_keys = None
         self._write_changes(changes)
         self.log_dict({k: v for k, v in stats.items() if not math.isnan(v)},
                       on_step=True, on_epoch=False, batch_size=self._episodes)
+
+    def _agree_on_index(self) -> None:
+        """Across processes: swap a background index rebuild in once it has finished on every
+        rank, all at this same update, with rank 0's choice where ``auto`` measured differently,
+        so that every rank's bank keeps searching, merging and evicting alike. Every rank starts
+        a rebuild at the same add (their banks are the same), so all ask here, or none."""
+        if not distributed() or self.bank is None or not self.bank.index_building:
+            return
+        self.bank.swap_index(gather_objects(self.bank.index_vote(), "bank index swap"))
 
     def _write_changes(self, changes: list[dict[str, Any]]) -> None:
         if self._trainer is not None and self.trainer.is_global_zero and log_dir(self.trainer) is not None:
@@ -537,6 +547,8 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
                              "hieragent.strategies.RolloutDDPStrategy (`trainer.strategy: ddp` in the CLI)")
         if isinstance(self.engine, HFEngine):  # act in the precision the trainer computes in
             self.engine.autocast = autocast_dtype(self.trainer.precision)
+        if self.bank is not None:  # across processes, index rebuilds swap in where all ranks agree
+            self.bank.hold_index_swaps(self.trainer.world_size > 1)
         # per-env metrics exist before anything is logged: Lightning maps metric objects to
         # attribute names once, at the first log call
         envs = getattr(self.trainer.datamodule, "test_envs", None) or []

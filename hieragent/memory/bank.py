@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,26 +24,13 @@ import torch
 
 from hieragent.io import iter_jsonl
 from hieragent.memory.encoder import MINILM, embed, embedding_dim, load_encoder
+from hieragent.memory.entries import KINDS, EntryTable
 from hieragent.memory.index import IndexSpec, KeyIndex
 from hieragent.memory.store import COLUMNS, load_bank, save_bank
 
-FORMAT_VERSION = 2  # 2 added the index spec and the built index; 1 loads (its index is rebuilt)
-READABLE_VERSIONS = (1, 2)
-KINDS: tuple[str, ...] = ("skill", "episodic", "lesson")
+FORMAT_VERSION = 3  # 3: the FAISS index labels rows (saved with them); 1 and 2 load, their index rebuilt
+READABLE_VERSIONS = (1, 2, 3)
 CHANGE_LOG_LIMIT = 10_000  # changes kept until the trainer drains them into bank_changes.jsonl
-
-
-@dataclass
-class _Entry:
-    """One row of the bank (private to this module; the bank's API speaks ids and plain types)."""
-
-    kind: str
-    text: str
-    source: str
-    created_step: int
-    uses: int = 0  # episodes that retrieved it (record_use calls)
-    utility: float = 0.0  # running mean of those episodes' returns
-    merges: int = 0  # near-duplicate texts folded into it by add()
 
 
 class MemoryBank:
@@ -74,8 +61,9 @@ class MemoryBank:
         self.index_spec = index or IndexSpec()
         self.changes: list[dict[str, Any]] = []
         self.latency: Counter[str] = Counter()  # retrieval calls: "queries" served, "seconds" spent
-        self._entries: dict[int, _Entry] = {}
+        self._entries = EntryTable()
         self._index: KeyIndex | None = None
+        self._hold_swaps = False
         self._dim: int | None = None
         self._next_id = 0
         self._encoder: Any = None
@@ -134,18 +122,50 @@ class MemoryBank:
 
     def entry(self, entry_id: int) -> dict[str, Any]:
         """A plain-dict copy of one entry's fields, for logging and notebooks."""
-        return {"id": int(entry_id), **asdict(self._get(entry_id))}
-
-    def _get(self, entry_id: int) -> _Entry:
-        try:
-            return self._entries[int(entry_id)]
-        except KeyError:
-            raise KeyError(f"memory bank has no entry with id {int(entry_id)} (evicted or never added)") from None
+        return self._entries.get(entry_id)
 
     def utility(self, entry_id: int) -> float:
         """An entry's running utility; 0 for an id evicted since (or -1)."""
-        e = self._entries.get(int(entry_id))
-        return 0.0 if e is None else e.utility
+        return self._entries.utility(entry_id)
+
+    def stats(self) -> dict[str, float]:
+        """Size by kind and the utility distribution of used entries (from column arrays); the
+        index's background build (1 while one runs or waits), rebuilds so far and removed rows
+        not yet compacted away."""
+        index = {} if self._index is None else {"bank/index_building": float(self.index_building),
+                                                 "bank/index_rebuilds": float(self._index.ops["rebuilds"]),
+                                                 "bank/index_dead_rows": float(self._index.rows - len(self))}
+        return {**self._entries.stats(), **index}
+
+    # ---- the index across processes ----------------------------------------------------
+    @property
+    def index_building(self) -> bool:
+        """A background rebuild of the index runs, or has finished and waits to be swapped in."""
+        return self._index is not None and self._index.building is not None
+
+    def hold_index_swaps(self, hold: bool = True) -> None:
+        """Swap finished background rebuilds in only through ``swap_index`` (across processes,
+        at a step every rank agrees on, so every rank's bank searches the same index)."""
+        self._hold_swaps = hold
+        if self._index is not None:
+            self._index.hold_swaps = hold
+
+    def index_vote(self) -> tuple[bool, tuple[str, dict[str, int]] | None]:
+        """``(ready, what the finished build made)`` of this process's index, for the agreement."""
+        return (True, None) if self._index is None else (self._index.ready(), self._index.choice())
+
+    def swap_index(self, votes: list[tuple[bool, tuple[str, dict[str, int]] | None]]) -> bool:
+        """Act on every process's ``index_vote``, the same on each: once all builds are done and
+        made the same index, swap it in (True); where ``auto`` measured differently, rebuild to
+        rank 0's choice and wait for the next vote; else wait."""
+        if self._index is None or not all(ready for ready, _ in votes):
+            return False
+        target = votes[0][1]
+        if all(choice == target for _, choice in votes) or any(choice is None for _, choice in votes):
+            self._index.swap()  # (a build that failed raises its error here)
+            return True
+        self._index.adopt(target)
+        return False
 
     def record_latency(self, queries: int, seconds: float) -> None:
         """Count one retrieval call (the trainer logs milliseconds per query from these)."""
@@ -153,13 +173,13 @@ class MemoryBank:
         self.latency["seconds"] += float(seconds)
 
     def texts(self, ids: Sequence[int] | np.ndarray) -> list[str]:
-        return [self._get(i).text for i in np.asarray(ids, dtype=np.int64).ravel()]
+        return [self._entries.text(i) for i in np.asarray(ids, dtype=np.int64).ravel()]
 
     def keys(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Stored key embeddings ``[len(ids), D]`` float32, exactly as added."""
         ids_arr = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).ravel())
         for i in ids_arr:
-            self._get(i)
+            self._entries.slot(i)
         if len(ids_arr) == 0 or self._index is None:
             return np.zeros((0, self._dim or 0), dtype=np.float32)
         return self._index.reconstruct(ids_arr)
@@ -207,6 +227,7 @@ class MemoryBank:
         if self._index is None:
             self._dim = vecs.shape[1]
             self._index = KeyIndex(self._dim, self.index_spec)
+            self._index.hold_swaps = self._hold_swaps
         out: list[int] = []
         indexed = self._nearest_indexed(vecs, kind)  # one batched search for the whole call
         new_ids: list[int] = []
@@ -219,14 +240,14 @@ class MemoryBank:
                 if hit is None or sims[best] > hit[1]:
                     hit = (new_ids[best], float(sims[best]))
             if hit is not None and hit[1] >= self.merge_threshold:
-                self._entries[hit[0]].merges += 1
+                self._entries.merged(hit[0])
                 self.events["merged"] += 1
                 self._change("merged", hit[0], kind, text, step, src)
                 out.append(hit[0])
                 continue
             new_id = self._next_id
             self._next_id += 1
-            self._entries[new_id] = _Entry(kind=kind, text=text, source=src, created_step=int(step))
+            self._entries.add(new_id, kind, text, src, int(step))
             self.events["added"] += 1
             self._change("added", new_id, kind, text, step, src)
             new_keys[len(new_ids)] = vec
@@ -240,13 +261,13 @@ class MemoryBank:
     def update(self, entry_id: int, text: str, step: int = 0, key: np.ndarray | None = None) -> None:
         """Replace an entry's text and key (re-embedded unless ``key`` is given), keeping its id
         and statistics; retrievals recorded before stay valid because the id does not change."""
-        entry = self._get(entry_id)
+        entry = self._entries.get(entry_id)
         vec = self._unit_keys([text], key)
         assert self._index is not None
         self._index.remove(np.array([entry_id], dtype=np.int64))
         self._index.add(np.array([entry_id], dtype=np.int64), vec[:1])
-        self._change("updated", entry_id, entry.kind, text, step, entry.source, previous=entry.text)
-        entry.text = text
+        self._change("updated", entry_id, entry["kind"], text, step, entry["source"], previous=entry["text"])
+        self._entries.set_text(entry_id, text)
 
     def _nearest_indexed(self, vecs: np.ndarray, kind: str) -> list[tuple[int, float] | None]:
         """Per key, the most similar indexed entry of ``kind`` among the 16 nearest (or None)."""
@@ -255,7 +276,7 @@ class MemoryBank:
         ids, scores = self._index.search(vecs, min(len(self._index), 16))
         out: list[tuple[int, float] | None] = []
         for row_ids, row_scores in zip(ids, scores):
-            same = [(int(i), float(sc)) for i, sc in zip(row_ids, row_scores) if self._entries[int(i)].kind == kind]
+            same = [(int(i), float(sc)) for i, sc in zip(row_ids, row_scores) if self._entries.kind(i) == kind]
             out.append(same[0] if same else None)
         return out
 
@@ -263,12 +284,11 @@ class MemoryBank:
         excess = len(self._entries) - self.capacity
         if excess <= 0 or self._index is None:
             return
-        order = sorted(self._entries, key=lambda i: (self._entries[i].utility, self._entries[i].created_step, i))
-        victims = order[:excess]
+        victims = self._entries.lowest(excess)  # by (utility, created step, id), one O(N) pass
         self._index.remove(np.asarray(victims, dtype=np.int64))
         for i in victims:
-            e = self._entries.pop(i)
-            self._change("evicted", i, e.kind, e.text, step, e.source, utility=e.utility, uses=e.uses)
+            e = self._entries.remove(i)
+            self._change("evicted", i, e["kind"], e["text"], step, e["source"], utility=e["utility"], uses=e["uses"])
         self.events["evicted"] += len(victims)
 
     def _change(self, op: str, entry_id: int, kind: str, text: str, step: int, source: str, **extra: Any) -> None:
@@ -287,12 +307,7 @@ class MemoryBank:
 
         Ids evicted since retrieval (or -1) are skipped: the episode may outlive its entries.
         """
-        for i in dict.fromkeys(int(i) for i in np.asarray(ids, dtype=np.int64).ravel()):
-            e = self._entries.get(i)
-            if e is None:
-                continue
-            e.uses += 1
-            e.utility += (float(episode_return) - e.utility) / e.uses
+        self._entries.credit(dict.fromkeys(int(i) for i in np.asarray(ids, dtype=np.int64).ravel()), episode_return)
 
     def seed_from_jsonl(self, path: str | Path, step: int = 0) -> list[int]:
         """Add entries from a JSONL file of ``{"kind": "skill", "text": "..."}`` lines."""
@@ -319,7 +334,6 @@ class MemoryBank:
         """Plain types and tensors only, so it loads with ``torch.load(weights_only=True)``."""
         order = self.ids()
         keys = self.keys(order) if order else np.zeros((0, self.dim), dtype=np.float32)
-        rows = [self._entries[i] for i in order]
         return {
             "format_version": FORMAT_VERSION,
             "embedder": self.embedder,
@@ -329,22 +343,19 @@ class MemoryBank:
             "next_id": self._next_id,
             "ids": torch.tensor(order, dtype=torch.int64),  # [N]
             "keys": torch.from_numpy(np.ascontiguousarray(keys, dtype=np.float32)),  # [N, D]
-            "kinds": [e.kind for e in rows],
-            "texts": [e.text for e in rows],
-            "sources": [e.source for e in rows],
-            "created_steps": [e.created_step for e in rows],
-            "uses": [e.uses for e in rows],
-            "utilities": [float(e.utility) for e in rows],
-            "merges": [e.merges for e in rows],
+            **self._entries.columns(order),
             "events": {k: int(v) for k, v in self.events.items()},
             "index": asdict(self.index_spec),
             "index_state": self._index_state(),
         }
 
     def _index_state(self) -> dict[str, Any]:
-        state = self._index.state() if self._index is not None else {"active": "flat", "trained_at": 0, "faiss": None}
-        blob = state["faiss"]
-        return {**state, "faiss": None if blob is None else torch.from_numpy(np.asarray(blob, dtype=np.uint8))}
+        if self._index is None:
+            return {"active": "flat", "trained_at": 0, "faiss": None, "rows": None}
+        state = self._index.state()
+        blob, rows = state["faiss"], state["rows"]
+        return {**state, "faiss": None if blob is None else torch.from_numpy(np.asarray(blob, dtype=np.uint8)),
+                "rows": None if rows is None else torch.from_numpy(rows)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the contents with ``state``; the FAISS index is the saved one when it is of
@@ -370,16 +381,19 @@ class MemoryBank:
         if len(set(ids.tolist())) != len(ids) or (len(ids) and int(ids.max()) >= int(state["next_id"])):
             raise ValueError("memory bank state has duplicate ids or ids beyond next_id")
         index_state = dict(state.get("index_state") or {})
-        if index_state.get("faiss") is not None:
-            index_state["faiss"] = torch.as_tensor(index_state["faiss"]).numpy()
+        if version < 3:  # its FAISS index labelled ids, not rows: rebuilt from the exact keys
+            index_state.update(faiss=None, rows=None)
+        for name in ("faiss", "rows"):
+            if index_state.get(name) is not None:
+                index_state[name] = torch.as_tensor(index_state[name]).numpy()
         index = KeyIndex.restore(dim, self.index_spec, ids, keys, index_state)
+        index.hold_swaps = self._hold_swaps
         bad_kinds = sorted(set(state["kinds"]) - set(KINDS))
         if bad_kinds:
             raise ValueError(f"memory bank state has unknown kinds {bad_kinds}; known: {', '.join(KINDS)}")
-        entries = {
-            int(i): _Entry(kind=k, text=t, source=s, created_step=int(c), uses=int(u), utility=float(v), merges=int(m))
-            for i, k, t, s, c, u, v, m in zip(ids, *(state[c] for c in COLUMNS))
-        }
+        entries = EntryTable()
+        for i, k, t, s, c, u, v, m in zip(ids.tolist(), *(state[c] for c in COLUMNS)):
+            entries.add(i, k, t, s, int(c), uses=int(u), utility=float(v), merges=int(m))
         self._index, self._entries, self._dim = index, entries, dim
         self._next_id = int(state["next_id"])
         self.events = Counter({k: int(v) for k, v in state.get("events", {}).items()})

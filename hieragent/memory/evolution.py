@@ -171,16 +171,7 @@ class BankEvolution:
     def describe(self) -> dict[str, float]:
         """Size by kind, the utility distribution of used entries, and retrieval latency."""
         bank = self.bank
-        rows = [bank.entry(i) for i in bank.ids()]
-        out = {"bank/size": float(len(rows)), "bank/capacity": float(bank.capacity)}
-        for kind in ("skill", "lesson", "episodic"):
-            out[f"bank/size_{kind}"] = float(sum(r["kind"] == kind for r in rows))
-        used = np.array([r["utility"] for r in rows if r["uses"] > 0], dtype=np.float64)
-        out["bank/used_fraction"] = len(used) / len(rows) if rows else 0.0
-        if len(used):
-            for name, q in (("p10", 10), ("p50", 50), ("p90", 90)):
-                out[f"bank/utility_{name}"] = float(np.percentile(used, q))
-            out["bank/utility_mean"] = float(used.mean())
+        out = {**bank.stats(), "bank/capacity": float(bank.capacity)}
         now = Counter(bank.latency)
         calls = now["queries"] - self._latency_seen["queries"]
         if calls:

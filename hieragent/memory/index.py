@@ -1,18 +1,32 @@
-"""The bank's key index: exact keys kept by id, and a FAISS index over them chosen by config.
+"""The bank's key index: exact keys in rows, and a FAISS index over the rows chosen by config.
 
-The exact float32 keys are the source of truth; the FAISS index is an accelerator rebuilt
-from them whenever its type changes, so switching from flat to IVF-PQ (or back) loses
-nothing. Index types (``IndexSpec.kind``):
+The exact float32 keys are the source of truth; the FAISS index is an accelerator built from
+them, so switching from flat to IVF (or back) loses nothing. Index types (``IndexSpec.kind``):
 
-  * ``flat``: exact inner product (``IndexFlatIP``); the default under about 50k entries.
-  * ``ivf_flat`` / ``ivf_pq``: inverted lists over a k-means coarse quantizer, with full or
-    product-quantised codes. Until ``nlist * train_per_list`` keys exist the index stays
-    flat; then the quantizer trains on the keys and the index switches, and it retrains
-    when the bank has grown ``retrain_growth`` times past its last training size.
-    IVF-PQ candidates are re-scored with the exact keys, so scores are exact cosines.
-  * ``hnsw``: a graph index (``IndexHNSWFlat``). It cannot delete, so removed ids become
-    tombstones filtered at search time, and the graph is rebuilt once they pass a tenth.
-  * ``auto``: flat, then IVF-Flat once the bank reaches ``auto_threshold`` entries.
+  * ``flat``: exact inner product (``IndexFlatIP``).
+  * ``ivf_flat`` / ``ivf_pq`` / ``ivf_fastscan``: inverted lists over a k-means coarse
+    quantizer, with full codes, 8-bit product-quantised codes, or 4-bit fast-scan PQ codes
+    (``IVF…,PQ…x4fs``, scanned with SIMD lookup tables). Until ``nlist * train_per_list``
+    keys exist the index stays flat; then the quantizer trains and the index switches, and
+    it retrains when the bank has grown ``retrain_growth`` times past its last training.
+    PQ candidates (``rerank * n`` of them) are re-scored with the exact keys, so every
+    score is an exact cosine.
+  * ``hnsw``: a graph index (``IndexHNSWFlat``).
+  * ``auto``: exact below ``auto_threshold`` entries; from there the approximate kind this
+    machine does best, measured once on the bank's own keys and cached (``autotune.py``).
+
+**Rows, tombstones, compaction.** Keys live in rows appended in insertion order; the FAISS
+index labels each key by its row. Removing an id clears its row's bit in a live bitmap (O(1))
+and every search passes the bitmap to FAISS as an ``IDSelectorBitmap``, so removed rows are
+skipped inside the scan for every kind. Once dead rows pass ``compact_fraction`` of all rows
+the index is rebuilt over the live rows only, so a removal costs O(1) amortised
+(``ops`` counts the work; ``tests/memory/test_index.py`` checks it does not grow with N).
+
+**Rebuilds off the step.** A rebuild (a change of kind, an IVF retrain, a compaction) over at
+least ``background_from`` rows runs in a background thread on a snapshot of the rows, which
+are never written in place. The old index keeps answering every search meanwhile, and adds
+and removals go on; when the new index is ready the next call swaps it in and replays what
+changed since the snapshot (O(changes)). ``wait()`` blocks until a running rebuild is in.
 
 Exact search sets FAISS's BLAS threshold for the call: ``IndexFlatIP`` only uses BLAS for
 batches of at least ``faiss.cvar.distance_compute_blas_threshold`` queries (128000 in the
@@ -22,11 +36,13 @@ BLAS path (``make bench-memory``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import threading
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import faiss
@@ -34,9 +50,16 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-INDEX_KINDS = ("flat", "ivf_flat", "ivf_pq", "hnsw", "auto")
+INDEX_KINDS = ("flat", "ivf_flat", "ivf_pq", "ivf_fastscan", "hnsw", "auto")
+IVF_KINDS = ("ivf_flat", "ivf_pq", "ivf_fastscan")
+RERANKED = ("ivf_pq", "ivf_fastscan")
 BLAS_MIN_BATCH = 16  # batches at least this large take FAISS's BLAS path in exact search
 TRAIN_PER_LIST_MAX = 64  # IVF trains its quantizer on at most this many keys per list
+# rows per call while (re)building: numpy copies and dict updates hold the GIL, so a background
+# build does its Python-side work in slices of a few milliseconds and the step is never blocked long
+CHUNK = 8192
+HEADROOM_AT = 0.9  # a large index rebuilds into a bigger buffer in the background at this fill
+CATCH_UP_LEFT = 512  # a background build hands over once at most this many new rows are unindexed
 _blas_lock = threading.Lock()
 
 
@@ -45,16 +68,20 @@ class IndexSpec:
     """Which FAISS index the bank searches with.
 
     Attributes:
-        kind: ``flat`` | ``ivf_flat`` | ``ivf_pq`` | ``hnsw`` | ``auto`` (see the module doc).
+        kind: ``flat`` | ``ivf_flat`` | ``ivf_pq`` | ``ivf_fastscan`` | ``hnsw`` | ``auto``.
         nlist: Inverted lists for IVF; 0 picks about ``4 * sqrt(N)`` (a power of two) at training.
         nprobe: Lists visited per query. 16 gives recall@10 0.98 on MiniLM keys (bench-memory).
         train_per_list: Keys per list needed before IVF trains (FAISS warns below 39).
         retrain_growth: Retrain the IVF quantizer when the bank has grown this many times.
         pq_m: Sub-quantizers of IVF-PQ (must divide the key dimension), 8 bits each.
-        rerank: IVF-PQ fetches ``rerank * n`` candidates and re-scores them exactly.
+        fastscan_m: Sub-quantizers of the 4-bit fast-scan PQ; 0 is an eighth of the dimension
+            (48 x 4 bits at 384: recall@10 0.99 with ``rerank`` 10 at 1M keys, bench-memory).
+        rerank: PQ kinds fetch ``rerank * n`` candidates and re-score them exactly.
         hnsw_m: Graph degree of HNSW.
         ef_search: HNSW search breadth.
-        auto_threshold: Size at which ``auto`` leaves exact search for IVF-Flat.
+        auto_threshold: Size at which ``auto`` leaves exact search for its measured choice.
+        compact_fraction: Rebuild over the live rows once removed rows pass this share.
+        background_from: Rebuilds over at least this many rows run in a background thread.
     """
 
     kind: str = "auto"
@@ -63,10 +90,13 @@ class IndexSpec:
     train_per_list: int = 39
     retrain_growth: float = 4.0
     pq_m: int = 48
-    rerank: int = 4
+    fastscan_m: int = 0
+    rerank: int = 10
     hnsw_m: int = 32
     ef_search: int = 128
     auto_threshold: int = 50_000
+    compact_fraction: float = 0.25
+    background_from: int = 20_000
 
     def __post_init__(self) -> None:
         if self.kind not in INDEX_KINDS:
@@ -74,13 +104,16 @@ class IndexSpec:
         for name in ("nprobe", "train_per_list", "pq_m", "rerank", "hnsw_m", "ef_search", "auto_threshold"):
             if getattr(self, name) < 1:
                 raise ValueError(f"memory.index.{name} must be >= 1, got {getattr(self, name)}")
-        if self.nlist < 0:
-            raise ValueError(f"memory.index.nlist must be >= 0 (0 = automatic), got {self.nlist}")
+        for name in ("nlist", "fastscan_m", "background_from"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"memory.index.{name} must be >= 0, got {getattr(self, name)}")
         if self.retrain_growth <= 1:
             raise ValueError(f"memory.index.retrain_growth must be > 1, got {self.retrain_growth}")
+        if not 0 < self.compact_fraction < 1:
+            raise ValueError(f"memory.index.compact_fraction must be in (0, 1), got {self.compact_fraction}")
 
 
-@contextmanager
+@contextlib.contextmanager
 def blas_search(batch: int) -> Iterator[None]:
     """Let exact FAISS search use BLAS for this batch (the threshold is process-global)."""
     if batch < BLAS_MIN_BATCH:
@@ -95,50 +128,153 @@ def blas_search(batch: int) -> Iterator[None]:
             faiss.cvar.distance_compute_blas_threshold = old
 
 
+def idle_priority() -> None:
+    """Run the calling thread only when a core would otherwise idle (Linux ``SCHED_IDLE``, set
+    per thread; elsewhere the lowest niceness, or nothing). Lowering one's own priority needs
+    no privilege. A background build then takes longer but never slows the training step."""
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+
+
 def auto_nlist(n: int) -> int:
     """About ``4 * sqrt(n)`` lists, rounded to a power of two (4096 at 1M entries)."""
     return max(1, 2 ** round(math.log2(max(4.0 * math.sqrt(n), 1.0))))
 
 
+def empty_index(kind: str, dim: int, spec: IndexSpec, nlist: int, m: int | None = None) -> faiss.Index:
+    """An untrained FAISS index of ``kind`` whose labels will be row numbers."""
+    if kind == "flat":
+        return faiss.IndexFlatIP(dim)
+    if kind == "hnsw":
+        return faiss.IndexHNSWFlat(dim, spec.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+    quantizer = faiss.IndexFlatIP(dim)
+    if kind == "ivf_flat":
+        index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
+    elif kind == "ivf_pq":
+        index = faiss.IndexIVFPQ(quantizer, dim, nlist, spec.pq_m, 8, faiss.METRIC_INNER_PRODUCT)
+    else:
+        index = faiss.IndexIVFPQFastScan(quantizer, dim, nlist, m or fastscan_m(spec, dim), 4,
+                                         faiss.METRIC_INNER_PRODUCT)
+    return index  # faiss's Python wrapper keeps the quantizer alive with the index
+
+
+def fastscan_m(spec: IndexSpec, dim: int) -> int:
+    return spec.fastscan_m or max(dim // 8, 1)
+
+
+def wanted_kind(spec: IndexSpec, n: int, auto_kind: str | None = None) -> str:
+    """The kind ``spec`` asks for at ``n`` keys (``"auto"``: above the threshold, not chosen yet)."""
+    if spec.kind == "auto":
+        return "flat" if n < spec.auto_threshold else (auto_kind or "auto")
+    if spec.kind in IVF_KINDS:
+        # PQ codebooks train on the same sample: 256 (8-bit) or 16 (4-bit) codes per sub-quantizer
+        lists = max(spec.nlist or auto_nlist(n), {"ivf_flat": 1, "ivf_pq": 256, "ivf_fastscan": 16}[spec.kind])
+        return spec.kind if n >= lists * spec.train_per_list else "flat"
+    return spec.kind
+
+
+def train_sample(keys: np.ndarray, rows: np.ndarray, nlist: int) -> np.ndarray:
+    """At most ``TRAIN_PER_LIST_MAX`` keys per list (and at least 10k, for PQ's 256 codes), a
+    fixed sample: k-means on it is as good as on all keys, and at 1M keys several times faster."""
+    cap = max(TRAIN_PER_LIST_MAX * nlist, 10_000)
+    if len(rows) > cap:
+        rows = np.sort(np.random.default_rng(0).choice(rows, cap, replace=False))
+    return keys[rows]
+
+
+@dataclass
+class _Built:
+    """A rebuilt index and its compacted rows, made from a snapshot (by a thread or inline)."""
+
+    kind: str
+    index: faiss.Index
+    template: faiss.Index | None  # trained and empty: compactions re-add without retraining
+    trained_at: int
+    buf: np.ndarray  # [capacity, D]; rows [:m] are the snapshot's live keys, in order
+    rid: np.ndarray  # [capacity], the id of each row
+    m: int
+    row: dict[int, int]
+    tuned: dict[str, int] = field(default_factory=dict)
+    note: str = ""
+    caught: int = 0  # rows of the owner below this (added after the snapshot) are indexed here
+
+
+@dataclass
+class _Job:
+    kind: str
+    snap_n: int
+    removed: list[int] = field(default_factory=list)  # ids removed after the snapshot
+    thread: threading.Thread | None = None
+    built: _Built | None = None
+    error: BaseException | None = None
+
+
 class KeyIndex:
     """Exact unit keys by int64 id, searched through the FAISS index that ``spec`` asks for.
 
-    ``active`` names the index actually in use: ``flat`` while an IVF kind waits for enough
-    keys to train. Rows are kept in insertion order (removal keeps the order of the rest),
-    which is the order ``ids()`` reports and persistence writes.
+    ``active`` names the index in use: ``flat`` while an IVF kind waits for enough keys or a
+    background build. ``ids()`` reports the live ids in insertion order (an update moves an
+    id to the end), which is the order persistence writes. ``ops`` counts the rows each
+    operation touched: ``removed`` ids and ``rows_rebuilt`` by (re)builds and compactions.
     """
 
     def __init__(self, dim: int, spec: IndexSpec | None = None) -> None:
         self.dim, self.spec = dim, spec or IndexSpec()
         if self.spec.kind == "ivf_pq" and dim % self.spec.pq_m:
             raise ValueError(f"memory.index.pq_m={self.spec.pq_m} must divide the key dimension {dim}")
-        self._buf = np.zeros((0, dim), dtype=np.float32)  # [capacity, D]; rows [:N] are keys
-        self._ids = np.zeros(0, dtype=np.int64)  # [N], the id of each key row
-        self._row: dict[int, int] = {}
-        self._tombstones: set[int] = set()  # hnsw only: removed ids still in the graph
+        if self.spec.kind == "ivf_fastscan" and dim % fastscan_m(self.spec, dim):
+            raise ValueError(f"memory.index.fastscan_m={self.spec.fastscan_m} must divide the key dimension {dim}")
+        self._buf = np.zeros((0, dim), dtype=np.float32)  # [capacity, D]; rows [:_n] hold keys
+        self._rid = np.zeros(0, dtype=np.int64)  # [capacity], the id of each row
+        self._live = np.zeros(0, dtype=bool)  # [capacity]
+        self._bits = np.zeros(0, dtype=np.uint8)  # the live mask packed for FAISS's IDSelectorBitmap
+        self._n = 0  # rows used, live or dead
+        self._dead = 0
+        self._row: dict[int, int] = {}  # live id -> row
+        self._job: _Job | None = None
+        self._template: faiss.Index | None = None
+        self.auto_kind: str | None = None  # what ``auto`` chose above its threshold
+        self.tuned: dict[str, int] = {}  # and the nprobe / rerank it measured (else the spec's)
+        self.auto_note = ""
         self.active = "flat"
         self.trained_at = 0
-        self._faiss: faiss.Index = self._empty("flat", 0)
-
-    @property
-    def _keys(self) -> np.ndarray:
-        return self._buf[: len(self._ids)]  # [N, D], a view
-
-    @_keys.setter
-    def _keys(self, keys: np.ndarray) -> None:
-        self._buf = np.ascontiguousarray(keys, dtype=np.float32)
+        self.hold_swaps = False  # across processes: a finished background build waits for swap()
+        self.ops: Counter[str] = Counter()
+        self._faiss: faiss.Index = faiss.IndexFlatIP(dim)
 
     # ---- reading -------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._row)
+
+    @property
+    def rows(self) -> int:
+        """Rows in the FAISS index now, removed ones included (until the next compaction)."""
+        return self._n
+
+    @property
+    def nprobe(self) -> int:
+        return self.tuned.get("nprobe", self.spec.nprobe)
+
+    @property
+    def rerank(self) -> int:
+        return self.tuned.get("rerank", self.spec.rerank)
+
+    @property
+    def building(self) -> str | None:
+        """The kind a background rebuild is making, or None."""
+        return None if self._job is None else self._job.kind
 
     def ids(self) -> np.ndarray:
-        return self._ids.copy()
+        return self._rid[: self._n][self._live[: self._n]]
 
     def reconstruct(self, ids: np.ndarray) -> np.ndarray:
         """Exact stored keys ``[len(ids), D]``; unknown ids raise KeyError."""
         rows = [self._row[int(i)] for i in ids]
-        return self._keys[rows] if rows else np.zeros((0, self.dim), dtype=np.float32)
+        return self._buf[rows] if rows else np.zeros((0, self.dim), dtype=np.float32)
 
     def search(self, q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Top ``min(n, len)`` ids and inner products per query, best first: ``[B, n']`` each.
@@ -146,169 +282,360 @@ class KeyIndex:
         Rows an approximate index cannot fill (an IVF probe that reaches too few keys) are
         answered by exact search, so every row holds ``n'`` real ids.
         """
+        self._poll()
+        q = np.ascontiguousarray(q, dtype=np.float32)
         n = min(n, len(self))
         if n == 0:
             return np.zeros((len(q), 0), dtype=np.int64), np.zeros((len(q), 0), dtype=np.float32)
+        fetch = min(n * self.rerank if self.active in RERANKED else n, self._n)
+        params, _selector = self._params()
         if self.active == "flat":
-            return self._search_flat(q, n)
-        fetch = n * (self.spec.rerank if self.active == "ivf_pq" else 1) + len(self._tombstones)
-        scores, ids = self._faiss.search(q, min(fetch, self._faiss.ntotal))
-        if self.active != "ivf_pq" and not self._tombstones and (ids[:, :n] >= 0).all():
-            return ids[:, :n].astype(np.int64), scores[:, :n]  # the common case, without a Python loop
-        out_ids = np.empty((len(q), n), dtype=np.int64)
-        out_scores = np.empty((len(q), n), dtype=np.float32)
-        short: list[int] = []
-        for b in range(len(q)):
-            keep = [j for j, i in enumerate(ids[b]) if i >= 0 and int(i) not in self._tombstones]
-            if len(keep) < n:
-                short.append(b)
-                continue
-            found = ids[b, keep]
-            if self.active == "ivf_pq":  # exact re-scoring of the compressed candidates
-                exact = self.reconstruct(found) @ q[b]
-                order = np.argsort(-exact, kind="stable")[:n]
-                out_ids[b], out_scores[b] = found[order], exact[order]
-            else:
-                out_ids[b], out_scores[b] = found[:n], scores[b, keep[:n]]
-        if short:
-            out_ids[short], out_scores[short] = self._exact(q[short], n)
-        return out_ids, out_scores
+            with blas_search(len(q)):
+                scores, rows = self._faiss.search(q, fetch, params=params)
+        else:
+            scores, rows = self._faiss.search(q, fetch, params=params)
+        if self.active in RERANKED:
+            scores, rows = self._rescore(q, rows, n)
+        short = (rows[:, :n] < 0).any(axis=1)
+        if short.any():
+            rows, scores = rows[:, :n].copy(), scores[:, :n].copy()
+            rows[short], scores[short] = self._exact(q[short], n)
+        return self._rid[rows[:, :n]], scores[:, :n]
 
-    def _search_flat(self, q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        with blas_search(len(q)):
-            scores, rows = self._faiss.search(q, n)
-        return self._ids[rows], scores
+    def _params(self) -> tuple[faiss.SearchParameters | None, faiss.IDSelector | None]:
+        """Search settings, with the live bitmap as a selector once rows were removed; the
+        caller holds the selector until the search returns (older FAISS wrappers do not)."""
+        sel = faiss.IDSelectorBitmap(self._n, faiss.swig_ptr(self._bits)) if self._dead else None
+        if self.active == "flat":
+            return (None if sel is None else faiss.SearchParameters(sel=sel)), sel
+        if self.active == "hnsw":
+            return faiss.SearchParametersHNSW(efSearch=self.spec.ef_search, sel=sel), sel
+        return faiss.SearchParametersIVF(nprobe=min(self.nprobe, self._faiss.nlist), sel=sel), sel
+
+    def _rescore(self, q: np.ndarray, rows: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Exact cosines of PQ candidates ``rows [B, m]``, best ``n`` first (-1 stays last)."""
+        valid = rows >= 0
+        safe = np.ascontiguousarray(np.where(valid, rows, 0), dtype=np.int64)
+        exact = np.empty(rows.shape, dtype=np.float32)  # [B, m]; by id in C++, no [B, m, D] gather
+        faiss.fvec_inner_products_by_idx(faiss.swig_ptr(exact), faiss.swig_ptr(q), faiss.swig_ptr(self._buf),
+                                         faiss.swig_ptr(safe), self.dim, len(q), rows.shape[1])
+        exact[~valid] = -np.inf
+        top = np.argsort(-exact, axis=1, kind="stable")[:, :n]
+        return np.take_along_axis(exact, top, axis=1).astype(np.float32), np.take_along_axis(rows, top, axis=1)
 
     def _exact(self, q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        sims = q @ self._keys.T  # [B, N]
+        """Exact top-n rows of live keys ``[B, n]`` (the fallback for rows IVF leaves short)."""
+        sims = q @ self._buf[: self._n].T  # [B, N]
+        sims[:, ~self._live[: self._n]] = -np.inf
         top = np.argsort(-sims, axis=1, kind="stable")[:, :n]
-        return self._ids[top], np.take_along_axis(sims, top, axis=1).astype(np.float32)
+        return top, np.take_along_axis(sims, top, axis=1).astype(np.float32)
 
     # ---- writing -------------------------------------------------------------------------
     def add(self, ids: np.ndarray, keys: np.ndarray) -> None:
+        self._poll()
         ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
         keys = np.ascontiguousarray(keys, dtype=np.float32).reshape(len(ids), self.dim)
         dup = [int(i) for i in ids if int(i) in self._row]
         if dup or len(set(ids.tolist())) != len(ids):
             raise ValueError(f"key index already holds (or was given twice) ids {dup or ids.tolist()}")
-        start, end = len(self._ids), len(self._ids) + len(ids)
-        if end > len(self._buf):  # grow geometrically, so adding one key at a time is amortised O(D)
-            buf = np.zeros((max(end, 2 * len(self._buf), 64), self.dim), dtype=np.float32)
-            buf[:start] = self._buf[:start]
-            self._buf = buf
-        self._buf[start:end] = keys
-        self._ids = np.concatenate([self._ids, ids])
-        self._row.update({int(i): start + j for j, i in enumerate(ids)})
-        want = self._wanted()
-        if want != self.active or self._needs_retrain():
-            self.rebuild(want)
-        elif self.active == "flat":
-            self._faiss.add(keys)  # rows of a flat index are our rows; ids map through _ids
-        else:
-            self._faiss.add_with_ids(keys, ids)
+        start, end = self._n, self._n + len(ids)
+        self._reserve(end)
+        self._buf[start:end], self._rid[start:end], self._live[start:end] = keys, ids, True
+        self._set_bits(start, end)
+        self._row.update(zip(ids.tolist(), range(start, end)))
+        self._n = end
+        self._faiss.add(keys)  # labels start at ntotal == start: each key is labelled by its row
+        self._maybe_rebuild()
 
     def remove(self, ids: np.ndarray) -> None:
-        gone = {int(i) for i in ids if int(i) in self._row}
-        if not gone:
-            return
-        keep = np.array([int(i) not in gone for i in self._ids], dtype=bool)
-        self._ids, self._keys = self._ids[keep], self._keys[keep]
-        self._row = {int(i): j for j, i in enumerate(self._ids)}
-        if self.active == "flat":
-            self._faiss = self._empty("flat", 0)
-            if len(self._ids):
-                self._faiss.add(self._keys)
-        elif self.active == "hnsw":
-            self._tombstones |= gone
-            if len(self._tombstones) > 0.1 * max(len(self._ids), 1):
-                self.rebuild(self.active)
-        else:
-            self._faiss.remove_ids(np.fromiter(gone, dtype=np.int64))
+        """Tombstone ids (O(1) each); compaction once dead rows pass ``compact_fraction``."""
+        self._poll()
+        gone: list[int] = []
+        for i in np.asarray(ids, dtype=np.int64).ravel().tolist():
+            row = self._row.pop(i, None)
+            if row is None:
+                continue
+            self._live[row] = False
+            self._bits[row >> 3] &= np.uint8(0xFF ^ (1 << (row & 7)))
+            gone.append(i)
+        self._dead += len(gone)
+        self.ops["removed"] += len(gone)
+        if self._job is not None:
+            self._job.removed += gone
+        if gone:
+            self._maybe_rebuild()
 
-    def rebuild(self, kind: str | None = None) -> None:
-        """Build index ``kind`` (default: what the spec wants at this size) over the exact keys."""
+    def rebuild(self, kind: str | None = None, background: bool | None = None) -> None:
+        """Build ``kind`` (default: what the spec wants at this size) over the live rows,
+        training it if it needs training; in a thread when ``background`` (default: at
+        least ``background_from`` rows), else before returning."""
+        self.wait()
         kind = kind or self._wanted()
-        n = len(self._ids)
-        index = self._empty(kind, n)
-        if kind in ("ivf_flat", "ivf_pq") and n:
-            # k-means on a fixed sample of TRAIN_PER_LIST_MAX keys per list: as good, and at 1M
-            # keys several times faster than training on all of them
-            cap = TRAIN_PER_LIST_MAX * index.nlist
-            sample = np.sort(np.random.default_rng(0).choice(n, cap, replace=False)) if n > cap else slice(None)
-            index.train(self._keys[sample])
-            self.trained_at = n
-        if n:
-            if kind == "flat":
-                index.add(self._keys)
-            else:
-                index.add_with_ids(self._keys, self._ids)
-        if kind != self.active:
-            log.info("memory index: %s -> %s over %d keys", self.active, kind, n)
-        self._faiss, self.active, self._tombstones = index, kind, set()
+        self._start(kind, train=True, background=background)
+
+    def wait(self) -> None:
+        """Block until a background rebuild is swapped in (nothing to do when none runs)."""
+        if self._job is not None and self._job.thread is not None:
+            self._job.thread.join()
+        self._poll(force=True)
+
+    def ready(self) -> bool:
+        """No background build runs (none started, or it has finished)."""
+        job = self._job
+        return job is None or job.thread is None or not job.thread.is_alive()
+
+    def choice(self) -> tuple[str, dict[str, int]] | None:
+        """What a finished build made: ``(kind, tuned search settings)``; None if none or failed."""
+        job = self._job
+        if job is None or not self.ready() or job.built is None:
+            return None
+        return job.built.kind, dict(job.built.tuned)
+
+    def swap(self) -> None:
+        """Swap a finished build in now (where ``hold_swaps`` holds it: at a point every
+        process agrees on)."""
+        job = self._job
+        if job is not None and job.thread is not None:
+            job.thread.join()
+        self._poll(force=True)
+
+    def adopt(self, choice: tuple[str, dict[str, int]]) -> None:
+        """Make the finished build match ``choice``, another process's ``choice()`` (``auto``
+        measured something else here): the same kind takes its search settings; another kind
+        is built anew, in the background, and waits for the next agreement."""
+        job = self._job
+        if job is None or job.built is None or not self.ready():
+            return
+        kind, tuned = choice
+        if job.built.kind == kind and job.built.tuned.get("fastscan_m") == tuned.get("fastscan_m"):
+            job.built.tuned = dict(tuned)  # the same index: only the search settings differ
+            return
+        self._job = None
+        self.auto_kind, self.tuned = kind, dict(tuned)
+        self._start(kind, train=True)
+
+    def _reserve(self, rows: int) -> None:
+        if rows <= len(self._buf):
+            return
+        cap = max(rows, 2 * len(self._buf), 64)  # geometric growth: adding one key is amortised O(D)
+        buf = np.zeros((cap, self.dim), dtype=np.float32)
+        buf[: self._n] = self._buf[: self._n]  # a running build keeps reading the old array
+        rid, live = np.full(cap, -1, dtype=np.int64), np.zeros(cap, dtype=bool)
+        rid[: self._n], live[: self._n] = self._rid[: self._n], self._live[: self._n]
+        bits = np.zeros(cap // 8 + 1, dtype=np.uint8)
+        bits[: len(self._bits)] = self._bits
+        self._buf, self._rid, self._live, self._bits = buf, rid, live, bits
+
+    def _set_bits(self, start: int, end: int) -> None:
+        rows = np.arange(start, end)
+        np.bitwise_or.at(self._bits, rows >> 3, np.left_shift(1, rows & 7).astype(np.uint8))
+
+    # ---- rebuilding ----------------------------------------------------------------------
+    def _maybe_rebuild(self) -> None:
+        if self._job is not None:
+            return
+        want = self._wanted()
+        if want != self.active or self._needs_retrain():
+            self._start(want, train=True)
+        elif self._dead and self._dead >= self.spec.compact_fraction * self._n:
+            self._start(self.active, train=False)
+        elif self._n >= HEADROOM_AT * len(self._buf) and self._n >= self.spec.background_from:
+            # the rows are about to outgrow their buffer, whose growth would copy every key in
+            # the step: rebuild into a larger one in the background instead
+            self._start(self.active, train=False)
+
+    def _start(self, kind: str, train: bool, background: bool | None = None) -> None:
+        """Snapshot the rows and build ``kind`` over the live ones (``"auto"``: choose it)."""
+        keep = np.flatnonzero(self._live[: self._n])
+        template = None if train or kind != self.active else self._template
+        job = _Job(kind=kind, snap_n=self._n)
+        args = (self._buf, self._rid, keep, kind, template)
+        if background is None:
+            background = len(keep) >= self.spec.background_from
+        if not background:
+            job.built = self._build(*args)
+            self._job = job
+            self._poll()
+            return
+
+        def run() -> None:
+            try:
+                # one OpenMP thread for this thread's FAISS calls (the setting is per thread), at a
+                # lower priority (Linux sets it per thread), so the training step keeps the cores
+                faiss.omp_set_num_threads(1)
+                idle_priority()
+                built = self._build(*args)
+                self._catch_up(built, job.snap_n)
+                job.built = built
+            except BaseException as e:  # handed to the main thread by _poll
+                job.error = e
+
+        job.thread = threading.Thread(target=run, name=f"hieragent-index-{kind}", daemon=True)
+        self._job = job
+        log.info("memory index: building %s over %d keys in the background (%s serves meanwhile)",
+                 kind, len(keep), self.active)
+        job.thread.start()
+
+    def _build(self, buf: np.ndarray, rid: np.ndarray, keep: np.ndarray, kind: str,
+               template: faiss.Index | None) -> _Built:
+        """The new rows and index from a snapshot: reads rows of ``buf`` that nobody writes."""
+        m = len(keep)
+        cap = max(64, m + m // 2)  # headroom: compaction (at a quarter dead) comes before growth
+        new_buf = np.zeros((cap, self.dim), dtype=np.float32)
+        new_rid = np.full(cap, -1, dtype=np.int64)
+        for s in range(0, m, CHUNK):
+            e = min(s + CHUNK, m)
+            new_buf[s:e], new_rid[s:e] = buf[keep[s:e]], rid[keep[s:e]]
+        note, tuned = "", dict(self.tuned)
+        if kind == "auto":
+            from hieragent.memory.autotune import choose
+
+            kind, tuned, note = choose(new_buf[:m], self.spec)
+        trained_at = self.trained_at
+        if template is not None:
+            index = faiss.clone_index(template)
+        else:
+            index = empty_index(kind, self.dim, self.spec, self._nlist(m), tuned.get("fastscan_m"))
+            if kind in IVF_KINDS:
+                index.train(train_sample(new_buf, np.arange(m), index.nlist))
+                trained_at = m
+                template = faiss.clone_index(index)
+        for s in range(0, m, 8 * CHUNK):  # FAISS releases the GIL: larger slices
+            index.add(new_buf[s:min(s + 8 * CHUNK, m)])
+        row: dict[int, int] = {}
+        for s in range(0, m, CHUNK):
+            e = min(s + CHUNK, m)
+            row.update(zip(new_rid[s:e].tolist(), range(s, e)))
+        return _Built(kind, index, template, trained_at, new_buf, new_rid, m, row, tuned, note)
+
+    def _poll(self, force: bool = False) -> None:
+        """Swap in a finished rebuild, replaying the adds and removals made since its snapshot
+        (a background one only when ``force`` where ``hold_swaps``)."""
+        job = self._job
+        if job is None or (job.thread is not None and job.thread.is_alive()):
+            return
+        if self.hold_swaps and job.thread is not None and not force:
+            return
+        self._job = None
+        if job.error is not None:
+            raise RuntimeError(f"memory index: building {job.kind} failed ({job.error!r}); "
+                               f"the {self.active} index over every key is still in use") from job.error
+        b = job.built
+        assert b is not None
+        # rows added since the snapshot (live or not) follow its live rows; the build has
+        # indexed those up to b.caught already
+        t = self._n - job.snap_n
+        total = b.m + t
+        self._copy_tail(b, job.snap_n, b.caught or job.snap_n, self._n)
+        live = np.zeros(len(b.buf), dtype=bool)
+        live[: b.m] = True
+        live[b.m:total] = self._live[job.snap_n:self._n]
+        dead = int(t - live[b.m:total].sum())
+        for i in job.removed:  # snapshot rows removed while the build ran
+            row = b.row.pop(i, None)
+            if row is not None:
+                live[row] = False
+                dead += 1
+        tail_live = np.flatnonzero(live[b.m:total]) + b.m
+        b.row.update(zip(b.rid[tail_live].tolist(), tail_live.tolist()))
+        if b.kind != self.active:
+            log.info("memory index: %s -> %s over %d keys%s", self.active, b.kind, len(b.row),
+                     f" ({b.note})" if b.note else "")
+        if self.spec.kind == "auto" and b.kind != "flat":
+            self.auto_kind, self.tuned, self.auto_note = b.kind, b.tuned, b.note or self.auto_note
+        self._buf, self._rid, self._live, self._n, self._dead, self._row = b.buf, b.rid, live, total, dead, b.row
+        self._bits = np.packbits(live, bitorder="little")
+        self._bits = np.concatenate([self._bits, np.zeros(len(live) // 8 + 1 - len(self._bits), dtype=np.uint8)])
+        self._faiss, self.active, self._template, self.trained_at = b.index, b.kind, b.template, b.trained_at
+        self.ops["rows_rebuilt"] += total
+        self.ops["rebuilds"] += 1
+
+    def _copy_tail(self, b: _Built, snap_n: int, start: int, end: int) -> None:
+        """Copy rows ``[start, end)`` of this index (added after the snapshot at ``snap_n``) into
+        the build ``b`` and index them there. Rows are append-only, so a build thread may call
+        this for rows below an ``end`` it read before the buffer it reads them from."""
+        if end <= start:
+            return
+        lo, hi = b.m + start - snap_n, b.m + end - snap_n
+        if hi > len(b.buf):
+            cap = max(hi, 2 * len(b.buf))
+            buf, rid = np.zeros((cap, self.dim), dtype=np.float32), np.full(cap, -1, dtype=np.int64)
+            buf[:lo], rid[:lo] = b.buf[:lo], b.rid[:lo]
+            b.buf, b.rid = buf, rid
+        b.buf[lo:hi], b.rid[lo:hi] = self._buf[start:end], self._rid[start:end]
+        b.index.add(b.buf[lo:hi])
+        b.caught = end
+
+    def _catch_up(self, b: _Built, snap_n: int) -> None:
+        """In the build thread: index the rows added while it built, until few are left, so
+        the swap on the caller's thread replays only a handful (O(1), not O(build time))."""
+        b.caught = snap_n
+        while True:
+            end = self._n  # read before the buffer: every row below it is in that buffer
+            if end - b.caught <= CATCH_UP_LEFT:
+                return
+            for s in range(b.caught, end, CHUNK):
+                self._copy_tail(b, snap_n, s, min(s + CHUNK, end))
 
     def _wanted(self) -> str:
-        spec, n = self.spec, len(self._ids)
-        if spec.kind == "auto":
-            return "ivf_flat" if n >= spec.auto_threshold else "flat"
-        if spec.kind in ("ivf_flat", "ivf_pq"):
-            lists = max(self._nlist(n), 256 if spec.kind == "ivf_pq" else 1)  # PQ: 256 codes each
-            return spec.kind if n >= lists * spec.train_per_list else "flat"
-        return spec.kind
+        return wanted_kind(self.spec, len(self), self.auto_kind)
 
     def _needs_retrain(self) -> bool:
-        return (self.active in ("ivf_flat", "ivf_pq")
-                and len(self._ids) >= self.spec.retrain_growth * max(self.trained_at, 1))
+        return self.active in IVF_KINDS and len(self) >= self.spec.retrain_growth * max(self.trained_at, 1)
 
     def _nlist(self, n: int) -> int:
         return self.spec.nlist or auto_nlist(n)
 
-    def _empty(self, kind: str, n: int) -> faiss.Index:
-        spec, d = self.spec, self.dim
-        if kind == "flat":
-            return faiss.IndexFlatIP(d)
-        if kind == "hnsw":
-            graph = faiss.IndexHNSWFlat(d, spec.hnsw_m, faiss.METRIC_INNER_PRODUCT)
-            graph.hnsw.efSearch = spec.ef_search
-            return faiss.IndexIDMap2(graph)
-        quantizer = faiss.IndexFlatIP(d)
-        nlist = self._nlist(n)
-        if kind == "ivf_flat":
-            index = faiss.IndexIVFFlat(quantizer, d, nlist, faiss.METRIC_INNER_PRODUCT)
-        else:
-            index = faiss.IndexIVFPQ(quantizer, d, nlist, spec.pq_m, 8, faiss.METRIC_INNER_PRODUCT)
-        index.nprobe = min(spec.nprobe, nlist)
-        return index  # faiss's Python wrapper keeps the quantizer alive with the index
-
     # ---- persistence ---------------------------------------------------------------------
     def state(self) -> dict:
-        """The built FAISS index as bytes (none for flat, which rebuilds in a second)."""
-        if self.active == "hnsw" and self._tombstones:
-            self.rebuild("hnsw")
-        blob = None if self.active == "flat" else faiss.serialize_index(self._faiss)
-        return {"active": self.active, "trained_at": self.trained_at, "faiss": blob}
+        """The built FAISS index as bytes (none for flat, which rebuilds in a second) and the id
+        of each of its rows (-1 where removed), so it loads without a rebuild."""
+        self._poll()  # a finished build swaps in; a running or held one is not saved
+        if self.active == "flat":
+            return {"active": "flat", "trained_at": self.trained_at, "faiss": None, "rows": None}
+        rows = np.where(self._live[: self._n], self._rid[: self._n], -1)
+        return {"active": self.active, "trained_at": self.trained_at, "rows": rows, "tuned": dict(self.tuned),
+                "faiss": faiss.serialize_index(self._faiss)}
 
     @classmethod
     def restore(cls, dim: int, spec: IndexSpec, ids: np.ndarray, keys: np.ndarray,
                 state: dict | None = None) -> KeyIndex:
         """An index over ``ids``/``keys``: the saved FAISS bytes when they are of the kind the
-        spec wants now and hold exactly these keys, else a rebuild from the exact keys."""
+        spec wants now and their rows hold exactly these ids, else a rebuild from the keys."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
+        keys = np.ascontiguousarray(keys, dtype=np.float32).reshape(len(ids), dim)
         index = cls(dim, spec)
-        index._ids = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-        index._keys = np.ascontiguousarray(keys, dtype=np.float32).reshape(len(index._ids), dim)
-        index._row = {int(i): j for j, i in enumerate(index._ids)}
         state = state or {}
-        saved, blob = state.get("active"), state.get("faiss")
-        want = index._wanted()
+        saved, blob, rows = state.get("active"), state.get("faiss"), state.get("rows")
+        if spec.kind == "auto" and saved not in (None, "flat") and len(ids) >= spec.auto_threshold:
+            index.auto_kind, index.tuned = saved, dict(state.get("tuned") or {})  # a choice measured before
+        want = wanted_kind(spec, len(ids), index.auto_kind)
         if saved not in (None, want):
             log.warning("memory index: saved as %s, the config asks for %s; rebuilding over %d exact keys",
-                        saved, want, len(index._ids))
-        if saved == want and blob is not None:
+                        saved, want, len(ids))
+        if saved == want and blob is not None and rows is not None:
+            rows = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
+            live = rows >= 0
             loaded = faiss.deserialize_index(np.ascontiguousarray(blob, dtype=np.uint8))
-            if loaded.ntotal == len(index._ids) and loaded.d == dim:
-                if hasattr(loaded, "nprobe"):
-                    loaded.nprobe = min(spec.nprobe, loaded.nlist)
+            if loaded.ntotal == len(rows) and loaded.d == dim and np.array_equal(rows[live], ids):
+                index._reserve(len(rows) + len(rows) // 2)
+                index._buf[: len(rows)][live] = keys
+                index._rid[: len(rows)], index._live[: len(rows)] = rows, live
+                index._n, index._dead = len(rows), int((~live).sum())
+                packed = np.packbits(live, bitorder="little")
+                index._bits[: len(packed)] = packed
+                index._row = dict(zip(ids.tolist(), np.flatnonzero(live).tolist()))
                 index._faiss, index.active = loaded, want
-                index.trained_at = int(state.get("trained_at", len(index._ids)))
+                index.trained_at = int(state.get("trained_at", len(ids)))
+                if want in IVF_KINDS:  # compactions re-add into a trained, empty copy
+                    index._template = faiss.clone_index(loaded)
+                    index._template.reset()
                 return index
-        index.rebuild(want)
+        index._reserve(len(ids) + len(ids) // 2)
+        index._buf[: len(ids)], index._rid[: len(ids)], index._live[: len(ids)] = keys, ids, True
+        index._set_bits(0, len(ids))
+        index._n = len(ids)
+        index._row = dict(zip(ids.tolist(), range(len(ids))))
+        index._start(want, train=True, background=False)
         return index
+

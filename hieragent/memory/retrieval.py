@@ -82,12 +82,20 @@ def retrieval_logprob(adapter: QueryAdapter | None, retrievals: Sequence[Retriev
             key_mask[i, : len(r.keys)] = True
         chosen[i, : len(r.chosen)] = torch.tensor(r.chosen, dtype=torch.long)
         chosen_mask[i, : len(r.chosen)] = True
-    queries = torch.tensor([r.query for r in retrievals], dtype=dtype, device=device)  # [B, D]
-    temps = torch.tensor([r.temperature for r in retrievals], dtype=dtype, device=device)  # [B]
-    keys, key_mask = keys.to(device), key_mask.to(device)
-    q = _adapt(adapter, queries)  # [B, D]
-    sims = torch.einsum("bd,bnd->bn", q, keys)  # [B, N]
-    logits = (sims / temps[:, None]).masked_fill(~key_mask, float("-inf"))  # [B, N]
+    queries = torch.tensor([r.query for r in retrievals], dtype=dtype)  # [B, D]
+    temps = torch.tensor([r.temperature for r in retrievals], dtype=dtype)  # [B]
+    return _logprob(adapter, queries, keys, key_mask, chosen, chosen_mask, temps)
+
+
+def _logprob(adapter: QueryAdapter | None, queries: torch.Tensor, keys: torch.Tensor, key_mask: torch.Tensor,
+             chosen: torch.Tensor, chosen_mask: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """``retrieval_logprob`` on tensors: ``queries [B, D]``, ``keys [B, N, D]``, ``key_mask [B, N]``,
+    ``chosen``/``chosen_mask [B, K]``, ``temps [B]``; moved to the adapter's device."""
+    param = next(adapter.parameters()) if adapter is not None else None
+    device = param.device if param is not None else torch.device("cpu")
+    q = _adapt(adapter, queries.to(device))  # [B, D]
+    sims = torch.einsum("bd,bnd->bn", q, keys.to(device))  # [B, N]
+    logits = (sims / temps.to(device)[:, None]).masked_fill(~key_mask.to(device), float("-inf"))  # [B, N]
     return plackett_luce_logprob(logits, chosen.to(device), chosen_mask.to(device))
 
 
@@ -185,8 +193,11 @@ def sample_retrievals(
         )
         for b in range(num)
     ]
-    with torch.no_grad():  # same code path as training, so the ratio starts at exactly 1
-        old = retrieval_logprob(adapter, retrievals).double().cpu().tolist()
+    with torch.no_grad():  # the computation training repeats, on the same values: the ratio starts at 1
+        dtype = next(adapter.parameters()).dtype if adapter is not None else torch.float32
+        old = _logprob(adapter, torch.from_numpy(frozen).to(dtype), torch.from_numpy(keys).to(dtype),
+                       torch.ones(num, n_eff, dtype=torch.bool), chosen, torch.ones_like(chosen, dtype=torch.bool),
+                       torch.full((num,), float(temperature), dtype=dtype)).double().cpu().tolist()
     for r, lp in zip(retrievals, old):
         r.old_logprob = lp
     bank.record_latency(num, time.perf_counter() - started)

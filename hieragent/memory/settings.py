@@ -19,8 +19,9 @@ class MemorySettings:
         merge_threshold: Cosine similarity above which a new entry merges into an old one
             of the same kind.
         seed_file: JSONL of seed skills (``data/skills.jsonl``); empty for an empty bank.
-        index: The FAISS index: ``flat`` (exact), ``ivf_flat``, ``ivf_pq``, ``hnsw``, or
-            ``auto`` (exact, then IVF-Flat from 50k entries); see ``hieragent.memory.index``.
+        index: The FAISS index: ``flat`` (exact), ``ivf_flat``, ``ivf_pq``, ``ivf_fastscan``,
+            ``hnsw``, or ``auto`` (exact, then from 50k entries the kind and search settings
+            this machine measured best); see ``hieragent.memory.index`` and ``autotune``.
         add_skills: Distil a skill (mission, subgoals, key observation) from every
             successful training episode.
         add_lessons: Distil a lesson (what was tried, how it failed) from every failed one.

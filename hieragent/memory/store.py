@@ -1,5 +1,6 @@
 """A bank on disk: ``keys.npy``, ``entries.jsonl``, ``meta.json`` and, for approximate index
-kinds, ``index.npy`` (the built FAISS index as bytes). Plain files, no pickle.
+kinds, ``index.npy`` (the built FAISS index as bytes) with ``index_rows.npy`` (the id of each
+of its rows, -1 where removed). Plain files, no pickle.
 
 Writes are atomic: everything goes to a temporary directory beside the target, is fsynced,
 and is renamed over it; the old bank is moved aside first and restored if the swap fails,
@@ -41,10 +42,11 @@ def _write_files(state: dict[str, Any], folder: Path) -> None:
     write_synced(folder / "entries.jsonl", lambda f: f.write(lines))
     index_state = state["index_state"]
     if index_state["faiss"] is not None:
-        blob = index_state["faiss"].numpy()
+        blob, rows = index_state["faiss"].numpy(), index_state["rows"].numpy()
         write_synced(folder / "index.npy", lambda f: np.save(f, blob, allow_pickle=False), True)
+        write_synced(folder / "index_rows.npy", lambda f: np.save(f, rows, allow_pickle=False), True)
     meta = {k: state[k] for k in META_KEYS}
-    meta["index_state"] = {k: index_state[k] for k in ("active", "trained_at")}
+    meta["index_state"] = {k: index_state.get(k) for k in ("active", "trained_at", "tuned")}
     write_synced(folder / "meta.json", lambda f: json.dump(meta, f, indent=1))
 
 
@@ -59,8 +61,9 @@ def load_bank(path: str | Path, cls: type[MemoryBank]) -> MemoryBank:
         raise ValueError(f"memory bank at {path} cannot be read: {e}") from e
     rows = [obj for _, obj in iter_jsonl(path / "entries.jsonl")]
     index_state = dict(meta.get("index_state") or {})
-    if (path / "index.npy").is_file():
+    if (path / "index.npy").is_file() and (path / "index_rows.npy").is_file():
         index_state["faiss"] = torch.from_numpy(np.load(path / "index.npy", allow_pickle=False))
+        index_state["rows"] = torch.from_numpy(np.load(path / "index_rows.npy", allow_pickle=False))
     state = {
         **meta,
         "ids": torch.tensor([r["id"] for r in rows], dtype=torch.int64),

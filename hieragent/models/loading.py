@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from hieragent.io import scratch_dir
+from hieragent.io import cache_dir, scratch_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PRESETS = ("smollm2", "tiny")
@@ -29,11 +29,6 @@ def set_offline() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def cache_dir() -> Path:
-    """Where converted models live: ``$HIERAGENT_CACHE`` or ``~/.cache/hieragent``."""
-    return Path(os.environ.get("HIERAGENT_CACHE", Path.home() / ".cache" / "hieragent"))
 
 
 def _smollm2_gguf() -> Path:

@@ -4,13 +4,17 @@ import math
 
 import numpy as np
 
-from hieragent.bench.memory import EXACT, main, mission_texts, numpy_topk, recall_at_k
+from hieragent.bench import bank_upkeep
+from hieragent.bench.memory import EXACT, cluster_source, main, mission_texts, numpy_topk, recall_at_k
+from hieragent.memory.index import IndexSpec
 
 
 def test_bench_prints_every_index_and_exact_paths_agree(capsys):
     rows = main(["--quick"])
     out = capsys.readouterr().out
-    for name in (*EXACT, "IVF128,Flat", "HNSW32", "bank KeyIndex (auto)", "recommended large-bank default", "finding"):
+    for name in (*EXACT, "IVF128,Flat", "IVF128,PQ48x4fs", "HNSW32", "bank KeyIndex (auto)", "finding",
+                 "goal (clustered n=2,000)", "matmul peak fp32", "bank upkeep per training update",
+                 "goal (upkeep n=2,000", "stall (n=2,000, retrain inline", "stall (n=2,000, retrain background"):
         assert name in out
     bank = [r for r in rows if r.index == "bank KeyIndex (auto)"]
     assert len(bank) == 2 and all(r.recall == 1.0 and r.params.startswith("flat") for r in bank)  # 2k keys: exact
@@ -19,13 +23,30 @@ def test_bench_prints_every_index_and_exact_paths_agree(capsys):
         assert len(exact) == len(EXACT)
         # every exact path is scored against the numpy result: they must find the same top 10
         assert all(r.recall == 1.0 for r in exact)
-        ivf = [r for r in rows if r.data == data and r.index.startswith("IVF")]
+        ivf = [r for r in rows if r.data == data and r.index.endswith(",Flat")]
         assert len(ivf) == 4
         # more lists probed can only find more of the true top 10, and probing few is lossy
         assert [r.recall for r in ivf] == sorted(r.recall for r in ivf)
         if data == "uniform":  # no clusters to find: 8 of ~180 lists miss most neighbours
             assert ivf[0].recall < 0.9
         assert all(r.batch_ms > 0 and math.isfinite(r.batch_ms) for r in exact + ivf)
+    fastscan = [r for r in rows if r.data == "clustered" and "x4fs" in r.index]
+    assert len(fastscan) == 4 and {r.index for r in fastscan} == {"IVF128,PQ48x4fs", "IVF128,PQ192x4fs"}
+    assert all(r.recall >= 0.9 for r in fastscan)  # re-scored exactly: near-exact
+
+
+def test_upkeep_keeps_a_full_bank_full_and_a_background_retrain_never_stops_the_steps():
+    draw = cluster_source(3000, seed=5)
+    bank, timings, _ = bank_upkeep.upkeep(draw(3000), draw, seed=5, updates=4)
+    assert len(bank) == 3000 and bank.events["evicted"] > 0 and bank.events["added"] == 5 * bank_upkeep.EPISODES
+    assert len(timings.retrieval_ms) == len(timings.metrics_ms) == 4 and min(timings.totals()) > 0
+    state = bank.state_dict()
+    spec = IndexSpec(kind="ivf_flat", nlist=16)
+    inline = bank_upkeep.stall(state, draw, background=False, seed=5, spec=spec, step_ms=5.0)
+    behind = bank_upkeep.stall(state, draw, background=True, seed=5, spec=spec, step_ms=5.0)
+    assert inline.during == 1 and math.isfinite(inline.rebuild_s) and math.isfinite(behind.rebuild_s)
+    # the retrain started after 4 updates of adds, steps went on until it was swapped in, then it was over
+    assert behind.rebuilding.index(True) == 3 and behind.during >= 2 and not behind.rebuilding[-1]
 
 
 def test_mission_texts_are_distinct_and_seeded():

@@ -53,13 +53,20 @@ def last_checkpoint(workspace):
     return found[-1]
 
 
+# an IVF index that retrains in a background thread at every 5% of growth: across processes its
+# builds are swapped in at a vote of the ranks; two lists, all probed, search exactly
+INDEX = ("--model.memory.index.kind", "ivf_flat", "--model.memory.index.nlist", "2",
+         "--model.memory.index.train_per_list", "2", "--model.memory.index.retrain_growth", "1.05",
+         "--model.memory.index.background_from", "0")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two ranks of one seed each against one process of two seeds: the same four episodes."""
     two = make_workspace(tmp_path_factory.mktemp("two_ranks"))
     one = make_workspace(tmp_path_factory.mktemp("one_process"))
-    fit(two, two / "probe", 2, "--data.seeds_per_batch", "1")
-    fit(one, one / "probe", 1, "--data.seeds_per_batch", "2", "--data.episode_seeding", "true")
+    fit(two, two / "probe", 2, "--data.seeds_per_batch", "1", *INDEX)
+    fit(one, one / "probe", 1, "--data.seeds_per_batch", "2", "--data.episode_seeding", "true", *INDEX)
     return two, one
 
 
@@ -92,20 +99,23 @@ def test_two_ranks_take_exactly_the_step_one_process_takes_on_the_same_episodes(
     assert max(float(p.abs().max()) for n, p in r0["params"].items() if "lora_B" in n) > 1e-4
 
 
-def _same_bank(a, b):
-    assert a.keys() == b.keys()
+def _same_bank(a, b, where="bank"):
+    assert a.keys() == b.keys(), where
     for key in a:
-        if isinstance(a[key], torch.Tensor):
-            assert torch.equal(a[key], b[key]), key
+        if isinstance(a[key], dict):
+            _same_bank(a[key], b[key], f"{where}.{key}")
+        elif isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), f"{where}.{key}"
         else:
-            assert a[key] == b[key], key
+            assert a[key] == b[key], f"{where}.{key}"
 
 
 def test_every_rank_holds_the_same_bank_as_the_checkpoint_and_the_one_process_run(runs):
     two, one = runs
     r0, r1 = ranks(two / "probe", 2)
     (single,) = ranks(one / "probe", 1)
-    _same_bank(r0["bank"], r1["bank"])
+    _same_bank(r0["bank"], r1["bank"])  # the index too: kind, rows and FAISS bytes
+    assert r0["bank"]["index_state"]["active"] == "ivf_flat"
     saved = torch.load(last_checkpoint(two), weights_only=False)["hieragent"]["bank"]
     _same_bank(r0["bank"], saved)
     for key in ("texts", "kinds", "uses", "utilities", "ids"):

@@ -151,7 +151,7 @@ def test_state_dict_round_trips_exactly_through_weights_only_torch_load():
     assert bank.events["merged"] == 1 and bank.events["evicted"] == 5
     state = bank.state_dict()
     assert _only_plain_types(state)
-    assert state["embedder"] == "minilm" and state["dim"] == D and state["format_version"] == 2
+    assert state["embedder"] == "minilm" and state["dim"] == D and state["format_version"] == 3
     buf = io.BytesIO()
     torch.save({"memory": state}, buf)
     buf.seek(0)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import threading
+
 import faiss
 import numpy as np
 import pytest
 
+from hieragent.memory import autotune
 from hieragent.memory.bank import MemoryBank
 from hieragent.memory.index import BLAS_MIN_BATCH, IndexSpec, KeyIndex, auto_nlist, blas_search
 
@@ -33,6 +37,7 @@ SPECS = {
     "flat": IndexSpec(kind="flat"),
     "ivf_flat": IndexSpec(kind="ivf_flat", nlist=16, nprobe=8),
     "ivf_pq": IndexSpec(kind="ivf_pq", nlist=16, nprobe=8, pq_m=16, rerank=8),
+    "ivf_fastscan": IndexSpec(kind="ivf_fastscan", nlist=16, nprobe=8, fastscan_m=16, rerank=20),
     "hnsw": IndexSpec(kind="hnsw", hnsw_m=16, ef_search=64),
 }
 
@@ -99,14 +104,61 @@ def test_ivf_waits_for_enough_keys_then_trains_and_retrains_as_the_bank_grows():
     assert index.trained_at == 160  # grown 2x: the quantizer retrained on all keys
 
 
-def test_auto_is_exact_below_its_threshold_and_ivf_above():
+def test_auto_is_exact_below_its_threshold_then_measures_caches_and_reuses_its_choice(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("HIERAGENT_CACHE", str(tmp_path))
     rng = np.random.default_rng(3)
-    index = KeyIndex(D, IndexSpec(kind="auto", auto_threshold=1000, nlist=8))
-    index.add(np.arange(999), clustered(rng, 999))
-    assert index.active == "flat"
-    index.add(np.array([999]), clustered(rng, 1))
-    assert index.active == "ivf_flat"
+    keys = clustered(rng, 3000)
+    spec = IndexSpec(kind="auto", auto_threshold=2000, nlist=16)
+    index = KeyIndex(D, spec)
+    index.add(np.arange(1999), keys[:1999])
+    assert index.active == "flat" and not (tmp_path / "index_auto.json").exists()
+    index.add(np.array([1999]), keys[1999:2000])
+    assert index.active in autotune.CANDIDATES and "measured now" in index.auto_note
+    cache = json.loads((tmp_path / "index_auto.json").read_text())
+    (entry,) = cache.values()
+    measured = entry["measured"]
+    assert entry["choice"] == autotune.decide(measured) and entry["choice"]["kind"] == index.active
+    assert autotune.tuned_of(entry["choice"]) == index.tuned
+    assert {(c["kind"], c["fastscan_m"]) for c in measured["settings"]} == {
+        ("ivf_flat", 0), ("ivf_fastscan", D // 8), ("ivf_fastscan", D // 2)}
+    assert len(measured["settings"]) == len(autotune.SWEEP["ivf_flat"]) + 2 * len(autotune.SWEEP["ivf_fastscan"])
+    assert measured["keys"] == 2000 - autotune.QUERIES
+    # the tuned search settings are the ones the index searches with, and they persist
+    restored = KeyIndex.restore(D, spec, index.ids(), index.reconstruct(index.ids()), index.state())
+    assert (restored.active, restored.tuned, restored.ops["rebuilds"]) == (index.active, index.tuned, 0)
+    # a second bank on this machine reuses the choice, only checking its recall on its own keys
+    again = KeyIndex(D, spec)
+    again.add(np.arange(2000), keys[:2000])
+    assert again.active == index.active and again.tuned == index.tuned and "cached choice" in again.auto_note
+    # a cached choice that misses the recall bar on this bank's keys is measured again and replaced
+    bad = {"kind": "ivf_fastscan", "fastscan_m": 4, "nprobe": 1, "rerank": 1}  # 4 x 4 bits, no re-scoring
+    (tmp_path / "index_auto.json").write_text(json.dumps({autotune.machine_key(D, spec): {"choice": bad}}))
+    remeasured = KeyIndex(D, spec)
+    remeasured.add(np.arange(2000), keys[:2000])
+    assert "measured now" in remeasured.auto_note and remeasured.tuned != autotune.tuned_of(bad)
+    assert json.loads((tmp_path / "index_auto.json").read_text())[autotune.machine_key(D, spec)]["choice"] != bad
+    # an unreadable cache is reported and measured again, never trusted
+    (tmp_path / "index_auto.json").write_text("{not json")
+    with caplog.at_level("WARNING"):
+        third = KeyIndex(D, spec)
+        third.add(np.arange(2000), keys[:2000])
+    assert "unreadable auto-index cache" in caplog.text and "measured now" in third.auto_note
     assert auto_nlist(1_000_000) == 4096 and auto_nlist(50_000) == 1024
+
+
+def test_auto_picks_the_fastest_setting_that_keeps_recall():
+    flat = {"kind": "ivf_flat", "fastscan_m": 0, "nprobe": 16, "rerank": 1, "ms": 5.0, "speedup": 20.0, "recall": 0.99}
+    fast = {"kind": "ivf_fastscan", "fastscan_m": 8, "nprobe": 8, "rerank": 5, "ms": 2.0, "speedup": 50.0,
+            "recall": 0.90}
+    slower = {**fast, "rerank": 10, "ms": 3.0, "recall": 0.96}
+    measured = {"keys": 1, "exact_ms": 100.0, "settings": [flat, fast]}
+    assert autotune.decide(measured)["kind"] == "ivf_flat"  # the faster one misses the recall bar
+    measured["settings"].append(slower)
+    assert autotune.decide(measured) == {"kind": "ivf_fastscan", "fastscan_m": 8, "nprobe": 8, "rerank": 10}
+    for c in measured["settings"]:
+        c["recall"] = 0.5
+    flat["recall"] = 0.6
+    assert autotune.decide(measured)["kind"] == "ivf_flat"  # none keeps recall: the most accurate
 
 
 def test_duplicate_ids_are_refused_and_a_bad_spec_names_its_key():
@@ -167,4 +219,203 @@ def test_saved_directory_round_trips_an_approximate_index_exactly(data, tmp_path
     loaded = MemoryBank.load(tmp_path / "bank")
     assert loaded.index_spec == bank.index_spec and loaded.index_kind == "ivf_flat"
     for x, y in zip(loaded.search(q, 10), bank.search(q, 10)):
+        assert x.tobytes() == y.tobytes()
+
+
+def live_truth(index: KeyIndex, model: dict[int, np.ndarray], q: np.ndarray, k: int):
+    ids = np.fromiter(model, dtype=np.int64)
+    return brute_force(np.stack([model[i] for i in ids]), ids, q, k)
+
+
+@pytest.mark.parametrize("background", [False, True])
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_every_kind_stays_exact_through_many_add_remove_update_cycles(kind, background, data):
+    """Adds, evictions and updates interleaved, with compactions (and, in the background case,
+    rebuilds in a thread while the cycles go on); checked against float64 brute force."""
+    keys, ids, q = data
+    rng = np.random.default_rng(11)
+    spec = SPECS[kind]
+    spec = IndexSpec(**{**spec.__dict__, "train_per_list": 10, "background_from": 0 if background else 10**9})
+    index = KeyIndex(D, spec)
+    model: dict[int, np.ndarray] = {}
+    fresh = iter(range(10**6, 2 * 10**6))
+    built_beside = False
+    for cycle in range(12):
+        batch = rng.choice(len(ids), 500, replace=False)
+        taken = np.isin(ids[batch], np.fromiter(model, dtype=np.int64))
+        new = np.where(taken, [next(fresh) for _ in batch], ids[batch])
+        new_keys = np.where(taken[:, None], clustered(rng, len(batch)), keys[batch])  # no duplicate keys (ties)
+        index.add(new, new_keys)
+        built_beside |= index.building is not None  # a build this call started (swapped at the next call)
+        model.update(zip(new.tolist(), new_keys))
+        gone = rng.choice(np.fromiter(model, dtype=np.int64), 150, replace=False)
+        index.remove(gone)
+        built_beside |= index.building is not None
+        for i in gone.tolist():
+            del model[i]
+        moved = rng.choice(np.fromiter(model, dtype=np.int64), 20, replace=False)
+        for i in moved.tolist():  # an update: the same id with a new key
+            index.remove(np.array([i]))
+            model[i] = clustered(rng, 1)[0]
+            index.add(np.array([i]), model[i][None])
+        found, scores = index.search(q, 10)  # answered at every point, a build running or not
+        assert found.shape == (len(q), 10) and all(int(i) in model for i in found.ravel())
+    index.wait()
+    assert index.active == kind
+    if background:  # cycles went on while a build ran in its thread
+        assert built_beside and index.ops["rebuilds"] >= 1
+    else:  # trained, then compacted or retrained
+        assert index.ops["rebuilds"] >= 2
+    assert len(index) == len(model) and set(index.ids().tolist()) == set(model)
+    assert index.reconstruct(np.array(list(model))).tobytes() == np.stack(list(model.values())).tobytes()
+    found, scores = index.search(q, 10)
+    truth, truth_scores = live_truth(index, model, q, 10)
+    assert recall(found, truth) >= (1.0 if kind == "flat" else 0.9)
+    exact = np.einsum("bd,bkd->bk", q.astype(np.float64), np.stack([[model[int(i)] for i in r] for r in found]))
+    np.testing.assert_allclose(scores, exact, atol=1e-5)  # every score is the exact cosine of its id
+    if kind == "flat":
+        np.testing.assert_allclose(scores, truth_scores, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf_flat", "hnsw"])
+def test_removal_costs_the_same_counted_work_at_every_size(kind):
+    """Counted, not timed: rows rewritten per removal stay below a constant as N grows 16x
+    (a flat index rebuilt on every eviction would rewrite N rows per removal)."""
+    per_removal = []
+    for n in (1000, 16_000):
+        rng = np.random.default_rng(n)
+        spec = IndexSpec(kind=kind, nlist=16, train_per_list=10, hnsw_m=8, ef_search=32, background_from=10**9)
+        index = KeyIndex(D, spec)
+        index.add(np.arange(n), clustered(rng, n))
+        before = index.ops.copy()
+        alive = list(range(n))  # oldest first, as the bank evicts
+        fresh = clustered(rng, n)
+        for j in range(n):  # a full bank that evicts one of its oldest entries per add, for n adds
+            index.remove(np.array([alive.pop(int(rng.integers(64)))]))
+            index.add(np.array([n + j]), fresh[j:j + 1])
+            alive.append(n + j)
+        removed = index.ops["removed"] - before["removed"]
+        rebuilt = index.ops["rows_rebuilt"] - before["rows_rebuilt"]
+        assert removed == n and index.ops["rebuilds"] - before["rebuilds"] >= 2  # compacted, more than once
+        per_removal.append(rebuilt / removed)
+        assert len(index) == n and index.rows <= n / (1 - spec.compact_fraction) + 1
+    assert max(per_removal) <= 1 / spec.compact_fraction + 1  # at most ~4 rows rewritten per removal
+    assert per_removal[1] <= 1.5 * per_removal[0]  # and not growing with N
+
+
+def test_a_background_retrain_serves_every_search_and_loses_no_entry(data, monkeypatch):
+    keys, ids, q = data
+    gate, started = threading.Event(), threading.Event()
+    build = KeyIndex._build
+
+    def held(self, *args):  # the real build, held until the test has worked beside it
+        started.set()
+        gate.wait(30)
+        return build(self, *args)
+
+    monkeypatch.setattr(KeyIndex, "_build", held)
+    spec = IndexSpec(kind="ivf_flat", nlist=16, train_per_list=39, retrain_growth=2.0, background_from=0)
+    index = KeyIndex(D, spec)
+    index.add(ids[:700], keys[:700])  # 16 lists x 39 keys: training starts
+    assert index.active == "flat" and started.wait(10) and index.building == "ivf_flat"
+    # while the quantizer trains: the old index answers, and adds and removals go on
+    index.add(ids[700:5000], keys[700:5000])
+    index.remove(ids[:100])
+    index.remove(ids[4900:5000])  # added after the snapshot, then removed
+    index.remove(ids[200:201])
+    index.add(ids[200:201], keys[4000:4001])  # an update of a snapshot row during the build
+    found, _ = index.search(q, 10)
+    assert index.active == "flat" and index.building == "ivf_flat"
+    live = {int(i): keys[j] for j, i in enumerate(ids[:4900]) if j >= 100}
+    live[int(ids[200])] = keys[4000]
+    truth, _ = live_truth(index, live, q, 10)
+    assert recall(found, truth) == 1.0  # exact: the flat index, tombstones filtered
+    gate.set()
+    index.wait()
+    assert index.active == "ivf_flat" and index.building is None and index.trained_at == 700
+    assert set(index.ids().tolist()) == set(live) and len(index) == len(live)
+    assert index.reconstruct(ids[200:201]).tobytes() == keys[4000:4001].tobytes()
+    found, scores = index.search(q, 10)
+    truth, _ = live_truth(index, live, q, 10)
+    assert recall(found, truth) >= 0.9 and all(int(i) in live for i in found.ravel())
+    # the bank grew past 2x its training size meanwhile: the next add starts a retrain
+    index.add(ids[5000:5001], keys[5000:5001])
+    assert index.building == "ivf_flat"
+    index.wait()
+    assert index.trained_at == len(live) + 1
+
+
+def test_a_failed_background_build_says_so_and_keeps_the_old_index(data, monkeypatch):
+    keys, ids, q = data
+
+    def broken(self, *args):
+        raise MemoryError("no room for the new lists")
+
+    spec = IndexSpec(kind="ivf_flat", nlist=16, background_from=0)
+    index = KeyIndex(D, spec)
+    monkeypatch.setattr(KeyIndex, "_build", broken)
+    index.add(ids[:1000], keys[:1000])
+    with pytest.raises(RuntimeError, match="building ivf_flat failed.*MemoryError.*flat index over every key"):
+        index.wait()
+    assert index.active == "flat" and len(index) == 1000
+    truth, _ = brute_force(keys[:1000], ids[:1000], q, 10)
+    assert recall(index.search(q, 10)[0], truth) == 1.0
+
+
+@pytest.mark.parametrize("kind", ["ivf_flat", "ivf_fastscan", "hnsw"])
+def test_a_saved_index_with_tombstones_loads_without_a_rebuild(kind, data, tmp_path):
+    keys, ids, q = data
+    bank = MemoryBank(capacity=10_000, merge_threshold=2.0, index=SPECS[kind])
+    bank.add([f"s{i}" for i in range(len(ids))], keys=keys)  # evicts 2000: tombstones, no compaction
+    assert bank.events["evicted"] == 2000 and bank._index.rows == len(ids) and len(bank) == 10_000
+    bank.save(tmp_path / "bank")
+    loaded = MemoryBank.load(tmp_path / "bank")
+    assert loaded._index.rows == bank._index.rows and loaded._index.ops["rebuilds"] == 0
+    assert loaded.ids() == bank.ids()
+    for x, y in zip(loaded.search(q, 10), bank.search(q, 10)):
+        assert x.tobytes() == y.tobytes()
+
+
+def test_processes_whose_auto_measured_differently_swap_in_the_same_index_at_the_same_vote(tmp_path, monkeypatch,
+                                                                                         data):
+    """Two banks as two ranks would hold them: the same adds, swaps held for the vote. Their
+    cached measurements (real cache files) disagree; after the votes both search rank 0's index."""
+    keys, ids, q = data
+    spec = IndexSpec(kind="auto", auto_threshold=3000, nlist=16, fastscan_m=16, background_from=0)
+    choices = ({"kind": "ivf_fastscan", "fastscan_m": 16, "nprobe": 8, "rerank": 20},
+               {"kind": "ivf_flat", "fastscan_m": 0, "nprobe": 16, "rerank": 1})
+    banks = []
+    for rank, choice in enumerate(choices):
+        folder = tmp_path / f"rank{rank}"
+        folder.mkdir()
+        setting = {**choice, "ms": 1.0, "speedup": 9.0, "recall": 0.99}
+        (folder / "index_auto.json").write_text(json.dumps(
+            {autotune.machine_key(D, spec): {"choice": choice, "measured": {"keys": 1, "exact_ms": 9.0,
+                                                                           "settings": [setting]}}}))
+        monkeypatch.setenv("HIERAGENT_CACHE", str(folder))
+        bank = MemoryBank(capacity=20_000, merge_threshold=2.0, index=spec)
+        bank.hold_index_swaps()
+        bank.add([f"s{i}" for i in range(3000)], keys=keys[:3000])
+        banks.append(bank)
+        while not bank.index_vote()[0]:  # this rank's build reads its cache before the next one starts
+            threading.Event().wait(0.01)
+
+    def vote(extra: slice) -> list[bool]:
+        for bank in banks:  # an update on every rank: adds and evictions go on while builds are held
+            bank.add([f"s{i}" for i in range(extra.start, extra.stop)], keys=keys[extra])
+        votes = [bank.index_vote() for bank in banks]
+        return [bank.swap_index(votes) for bank in banks]
+
+    assert [b.index_kind for b in banks] == ["flat", "flat"]  # finished, but held for the vote
+    assert [b.index_vote()[1][0] for b in banks] == ["ivf_fastscan", "ivf_flat"]
+    assert vote(slice(3000, 3100)) == [False, False]  # rank 1 rebuilds as rank 0 chose
+    for _ in range(200):
+        if all(b.index_vote()[0] for b in banks):
+            break
+        threading.Event().wait(0.05)
+    assert vote(slice(3100, 3200)) == [True, True]
+    assert [b.index_kind for b in banks] == ["ivf_fastscan", "ivf_fastscan"]
+    assert banks[0]._index.tuned == banks[1]._index.tuned == {"fastscan_m": 16, "nprobe": 8, "rerank": 20}
+    assert banks[0].ids() == banks[1].ids() and len(banks[0]) == 3200
+    for x, y in zip(banks[0].search(q, 10), banks[1].search(q, 10)):
         assert x.tobytes() == y.tobytes()

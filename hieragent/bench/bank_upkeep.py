@@ -1,0 +1,228 @@
+"""The bank's cost per training update at 10k, 100k and 1M entries, and the step stall when
+its index retrains (part of ``make bench-memory``).
+
+**Per-update cost.** A full bank of clustered keys (loaded through ``load_state_dict``, as a
+resumed run would) under the default index, then ``UPDATES`` updates, each what the trainer
+does around one rollout batch: the planner turns' retrieval (``sample_retrievals`` for
+``TURNS`` query vectors, ``retrieval_candidates`` 8, ``retrieval_k`` 2, with a query adapter),
+the evolution (credit the entries used by ``EPISODES`` episodes, add a skill or lesson per
+episode, with merges and evictions, the bank being full) and the metrics (``bank.stats()``).
+Query and entry vectors are given, so the encoder (MiniLM, about 4 ms a text here, the same at
+any bank size) is not in these figures.
+
+**Stall.** A bank of ``n`` entries whose index is about to retrain, and a loop of training
+steps: each a fixed CPU workload (a torch matmul loop of about ``STEP_MS``) and one bank
+update as above. With ``background_from`` above the bank size the retrain runs inside
+``add`` (the old behaviour); below it in a background thread while the old index serves.
+Reported: the median and the longest step, and how long the rebuild took.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from rich.table import Table
+
+from hieragent.memory.adapter import QueryAdapter
+from hieragent.memory.bank import FORMAT_VERSION, MemoryBank
+from hieragent.memory.index import IndexSpec
+from hieragent.memory.retrieval import sample_retrievals
+
+TURNS = 128  # planner turns per rollout batch (32 episodes of about 4 planner turns)
+EPISODES = 32
+UPDATES = 20
+STEP_MS = 150.0
+
+
+def bank_state(keys: np.ndarray, seed: int) -> dict:
+    """A saved bank of ``len(keys)`` entries with varied utilities, uses and steps."""
+    rng = np.random.default_rng(seed)
+    n = len(keys)
+    uses = rng.integers(0, 4, n)
+    return {"format_version": FORMAT_VERSION, "embedder": "minilm", "dim": keys.shape[1], "capacity": n,
+            "merge_threshold": 0.95, "next_id": n, "ids": torch.arange(n), "keys": torch.from_numpy(keys),
+            "kinds": ["skill"] * n, "texts": [f"entry {i}" for i in range(n)], "sources": ["bench"] * n,
+            "created_steps": rng.integers(0, 1000, n).tolist(), "uses": uses.tolist(),
+            "utilities": np.where(uses > 0, rng.random(n), 0.0).tolist(), "merges": [0] * n,
+            "events": {}, "index": {}, "index_state": {}}
+
+
+@dataclass
+class Update:
+    retrieval_ms: list[float] = field(default_factory=list)
+    evolution_ms: list[float] = field(default_factory=list)
+    metrics_ms: list[float] = field(default_factory=list)
+
+    def totals(self) -> list[float]:
+        return [a + b + c for a, b, c in zip(self.retrieval_ms, self.evolution_ms, self.metrics_ms)]
+
+
+class Updater:
+    """One trainer update's worth of bank work, on fresh vectors near the bank's keys."""
+
+    def __init__(self, bank: MemoryBank, draw: Callable[[int], np.ndarray], seed: int) -> None:
+        self.bank, self.draw = bank, draw
+        self.adapter = QueryAdapter(bank.dim)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rng = np.random.default_rng(seed)
+        self.step = 0
+
+    def __call__(self, out: Update) -> None:
+        self.step += 1
+        t0 = time.perf_counter()
+        got = sample_retrievals(self.bank, self.adapter, self.draw(TURNS), n=8, k=2, temperature=1.0,
+                                generator=self.gen)
+        t1 = time.perf_counter()
+        per_episode = TURNS // EPISODES
+        for e in range(EPISODES):
+            used = [r.entry_ids[c] for _, r in got[e * per_episode:(e + 1) * per_episode] if r for c in r.chosen]
+            self.bank.record_use(used, float(self.rng.random()))
+        keys = self.draw(EPISODES)
+        half = EPISODES // 2
+        self.bank.add([f"skill {self.step}.{j}" for j in range(half)], kind="skill", step=self.step, keys=keys[:half])
+        self.bank.add([f"lesson {self.step}.{j}" for j in range(half)], kind="lesson", step=self.step,
+                      keys=keys[half:])
+        self.bank.drain_changes()
+        t2 = time.perf_counter()
+        self.bank.stats()
+        t3 = time.perf_counter()
+        out.retrieval_ms.append(1e3 * (t1 - t0))
+        out.evolution_ms.append(1e3 * (t2 - t1))
+        out.metrics_ms.append(1e3 * (t3 - t2))
+
+
+def upkeep(keys: np.ndarray, draw: Callable[[int], np.ndarray], seed: int, spec: IndexSpec | None = None,
+           updates: int = UPDATES) -> tuple[MemoryBank, Update, float]:
+    """A full bank over ``keys`` and ``UPDATES`` timed updates: ``(bank, timings, load seconds)``."""
+    t0 = time.perf_counter()
+    bank = MemoryBank(capacity=len(keys), index=spec or IndexSpec())
+    bank.load_state_dict(bank_state(keys, seed))
+    bank._index.wait()
+    load_s = time.perf_counter() - t0
+    update, timings = Updater(bank, draw, seed), Update()
+    update(Update())  # warm-up
+    for _ in range(updates):
+        update(timings)
+    return bank, timings, load_s
+
+
+def workload(ms: float) -> Callable[[], None]:
+    """A fixed CPU step of about ``ms`` (matmuls on torch's threads), calibrated now."""
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    reps = max(1, round(ms / (1e3 * (time.perf_counter() - t0) / 10)))
+
+    def step() -> None:
+        for _ in range(reps):
+            a @ b
+
+    return step
+
+
+@dataclass
+class Stall:
+    mode: str
+    n: int
+    steps: list[float]
+    rebuilding: list[bool]  # per step: a rebuild ran during it
+    rebuild_s: float
+
+    @property
+    def during(self) -> int:
+        return sum(self.rebuilding)
+
+    @property
+    def median(self) -> float:
+        """The median step with no rebuild running: the baseline a stall is measured against."""
+        return statistics.median(t for t, r in zip(self.steps, self.rebuilding) if not r)
+
+    @property
+    def ratio(self) -> float:
+        return max(self.steps) / self.median
+
+
+def stall(state: dict, draw: Callable[[int], np.ndarray], background: bool, seed: int,
+          spec: IndexSpec | None = None, settle: int = 3, step_ms: float = STEP_MS) -> Stall:
+    """Training steps across one retrain of the index of the bank saved in ``state``."""
+    n = len(state["ids"])
+    base = spec or IndexSpec()
+    # retrain once the bank has grown by ~4 updates of adds; the capacity leaves it room to grow
+    spec = dataclasses.replace(base, retrain_growth=1 + 4 * EPISODES / n,
+                               background_from=0 if background else 10**12)
+    bank = MemoryBank(capacity=n + 100 * EPISODES, index=spec)
+    bank.load_state_dict(state)
+    index = bank._index
+    step, update = workload(step_ms), Updater(bank, draw, seed)
+    times: list[float] = []
+    rebuilding: list[bool] = []
+    started = ended = None
+    after = 0
+    rebuilds = index.ops["rebuilds"]
+    while after < settle and len(times) < 5000:
+        was = bool(index.building)
+        t0 = time.perf_counter()
+        step()
+        update(Update())
+        t1 = time.perf_counter()
+        times.append(1e3 * (t1 - t0))
+        done = index.ops["rebuilds"] > rebuilds
+        rebuilding.append(was or bool(index.building) or (done and ended is None))
+        if started is None and (index.building or done):
+            started = t0
+            index.spec = dataclasses.replace(spec, retrain_growth=4.0)  # one retrain is the measurement
+        if ended is None and done:
+            ended = t1
+        after += ended is not None
+    rebuild_s = (ended - started) if started is not None and ended is not None else float("nan")
+    return Stall("background" if background else "inline (in add)", n, times, rebuilding, rebuild_s)
+
+
+def upkeep_table(rows: list[tuple[int, str, Update, float]], goal_ms: float = 50.0) -> Table:
+    table = Table(title=f"bank upkeep per training update ({TURNS} planner-turn retrievals, {EPISODES} episodes "
+                        f"credited and distilled into a full bank, metrics), median over "
+                        f"{len(rows[0][2].retrieval_ms)} updates")
+    for col in ("n", "index", "load s", "retrieval ms", "evolution ms", "metrics ms", "total ms", "max ms",
+                f"<= {goal_ms:.0f} ms"):
+        table.add_column(col, justify="left" if col == "index" else "right")
+    for n, kind, u, load_s in rows:
+        med = statistics.median
+        total = u.totals()
+        table.add_row(f"{n:,}", kind, f"{load_s:.1f}", f"{med(u.retrieval_ms):.1f}", f"{med(u.evolution_ms):.1f}",
+                      f"{med(u.metrics_ms):.2f}", f"{med(total):.1f}", f"{max(total):.1f}",
+                      "yes" if med(total) <= goal_ms else "no")
+    return table
+
+
+def stall_table(rows: list[Stall]) -> Table:
+    table = Table(title="training step across an index retrain (a fixed CPU step + one bank update)")
+    for col in ("n", "retrain", "steps", "median step ms (no rebuild)", "median step ms (rebuilding)",
+                "longest step ms", "longest / median", "rebuild s", "steps during rebuild"):
+        table.add_column(col, justify="left" if col == "retrain" else "right")
+    for r in rows:
+        busy = [t for t, b in zip(r.steps, r.rebuilding) if b]
+        table.add_row(f"{r.n:,}", r.mode, str(len(r.steps)), f"{r.median:.0f}", f"{statistics.median(busy):.0f}",
+                      f"{max(r.steps):.0f}", f"{r.ratio:.1f}x", f"{r.rebuild_s:.1f}", str(r.during))
+    return table
+
+
+def verdicts(upkeep: list[tuple[int, str, Update, float]], stalls: list[Stall], goal_ms: float = 50.0) -> list[str]:
+    """The issue's goals, said plainly: per-update cost at the largest size, and the stall."""
+    lines = []
+    if upkeep:
+        n, kind, u, _ = max(upkeep, key=lambda r: r[0])
+        total = statistics.median(u.totals())
+        lines.append(f"goal (upkeep n={n:,}, {kind}): median bank cost per update {total:.1f} ms "
+                     f"({'met' if total <= goal_ms else 'not met'}: <= {goal_ms:.0f} ms)")
+    for r in stalls:
+        lines.append(f"stall (n={r.n:,}, retrain {r.mode}): longest step {r.ratio:.1f}x the median step without "
+                     f"a rebuild ({'met' if r.ratio <= 2 else 'not met'}: <= 2x), rebuild {r.rebuild_s:.1f} s over "
+                     f"{r.during} steps")
+    return lines

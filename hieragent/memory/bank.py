@@ -162,7 +162,7 @@ class MemoryBank:
             return False
         target = votes[0][1]
         if all(choice == target for _, choice in votes) or any(choice is None for _, choice in votes):
-            self._index.swap()  # (a build that failed raises its error here)
+            self._index.wait()  # the swap (a build that failed raises its error here)
             return True
         self._index.adopt(target)
         return False

@@ -242,7 +242,7 @@ class KeyIndex:
         self.auto_note = ""
         self.active = "flat"
         self.trained_at = 0
-        self.hold_swaps = False  # across processes: a finished background build waits for swap()
+        self.hold_swaps = False  # across processes: a finished background build waits for wait()
         self.ops: Counter[str] = Counter()
         self._faiss: faiss.Index = faiss.IndexFlatIP(dim)
 
@@ -365,16 +365,9 @@ class KeyIndex:
         if gone:
             self._maybe_rebuild()
 
-    def rebuild(self, kind: str | None = None, background: bool | None = None) -> None:
-        """Build ``kind`` (default: what the spec wants at this size) over the live rows,
-        training it if it needs training; in a thread when ``background`` (default: at
-        least ``background_from`` rows), else before returning."""
-        self.wait()
-        kind = kind or self._wanted()
-        self._start(kind, train=True, background=background)
-
     def wait(self) -> None:
-        """Block until a background rebuild is swapped in (nothing to do when none runs)."""
+        """Block until a background rebuild is swapped in (nothing to do when none runs); where
+        ``hold_swaps`` holds a finished one, this is the swap, at a point every process agrees on."""
         if self._job is not None and self._job.thread is not None:
             self._job.thread.join()
         self._poll(force=True)
@@ -390,14 +383,6 @@ class KeyIndex:
         if job is None or not self.ready() or job.built is None:
             return None
         return job.built.kind, dict(job.built.tuned)
-
-    def swap(self) -> None:
-        """Swap a finished build in now (where ``hold_swaps`` holds it: at a point every
-        process agrees on)."""
-        job = self._job
-        if job is not None and job.thread is not None:
-            job.thread.join()
-        self._poll(force=True)
 
     def adopt(self, choice: tuple[str, dict[str, int]]) -> None:
         """Make the finished build match ``choice``, another process's ``choice()`` (``auto``

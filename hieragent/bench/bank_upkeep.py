@@ -10,7 +10,8 @@ episode, with merges and evictions, the bank being full) and the metrics (``bank
 Query and entry vectors are given, so the encoder (MiniLM, about 4 ms a text here, the same at
 any bank size) is not in these figures.
 
-**Stall.** A bank of ``n`` entries whose index is about to retrain, and a loop of training
+**Stall.** A bank of ``n`` entries whose index is about to retrain (or, for a graph index,
+to compact), and a loop of training
 steps: each a fixed CPU workload (a torch matmul loop of about ``STEP_MS``) and one bank
 update as above. With ``background_from`` above the bank size the retrain runs inside
 ``add`` (the old behaviour); below it in a background thread while the old index serves.
@@ -31,7 +32,7 @@ from rich.table import Table
 
 from hieragent.memory.adapter import QueryAdapter
 from hieragent.memory.bank import FORMAT_VERSION, MemoryBank
-from hieragent.memory.index import IndexSpec
+from hieragent.memory.index import IVF_KINDS, IndexSpec
 from hieragent.memory.retrieval import sample_retrievals
 
 TURNS = 128  # planner turns per rollout batch (32 episodes of about 4 planner turns)
@@ -160,6 +161,12 @@ def stall(state: dict, draw: Callable[[int], np.ndarray], background: bool, seed
     bank = MemoryBank(capacity=n + 100 * EPISODES, index=spec)
     bank.load_state_dict(state)
     index = bank._index
+    if index.active not in IVF_KINDS:
+        # nothing to retrain (a graph): measure its rebuild, a compaction, once ~4 updates of
+        # evictions from the full bank have left that many dead rows
+        bank.capacity = n
+        spec = dataclasses.replace(spec, compact_fraction=4 * EPISODES / n)
+        index.spec = spec
     step, update = workload(step_ms), Updater(bank, draw, seed)
     times: list[float] = []
     rebuilding: list[bool] = []
@@ -174,10 +181,11 @@ def stall(state: dict, draw: Callable[[int], np.ndarray], background: bool, seed
         t1 = time.perf_counter()
         times.append(1e3 * (t1 - t0))
         done = index.ops["rebuilds"] > rebuilds
-        rebuilding.append(was or bool(index.building) or (done and ended is None))
+        # the measured rebuild only (a buffer-growth rebuild may start in the settling steps)
+        rebuilding.append(ended is None and (was or bool(index.building) or done))
         if started is None and (index.building or done):
             started = t0
-            index.spec = dataclasses.replace(spec, retrain_growth=4.0)  # one retrain is the measurement
+            index.spec = dataclasses.replace(spec, retrain_growth=4.0, compact_fraction=0.5)  # one rebuild is the measurement
         if ended is None and done:
             ended = t1
         after += ended is not None

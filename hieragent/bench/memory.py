@@ -2,7 +2,8 @@
 
 The bank (``hieragent/memory/index.py``) searches what ``memory.index`` asks for, by default
 exact ``IndexFlatIP`` with BLAS batches below 50k keys and above it the approximate kind this
-machine measured best (``memory/autotune.py``; the run measures afresh in a temporary cache);
+machine measured best (``memory/autotune.py``; the run measures afresh for each data set, in a
+temporary cache);
 the ``bank KeyIndex (auto)`` row is that default, measured like the others. The machine's fp32
 and bf16 matmul peaks are measured first, in the same run. This script measures, at bank sizes
 of 10k, 100k and (default) 1M keys of dimension 384, exact search against approximate
@@ -226,7 +227,7 @@ def measure(row: Row, search: Callable[[np.ndarray], np.ndarray], q: np.ndarray,
 
 
 def bench(data: str, x: np.ndarray, q: np.ndarray, seed: int, hnsw_max: int, ivfpq: bool,
-          advance: Callable[[], None]) -> list[Row]:
+          advance: Callable[[], None], asked: np.ndarray | None = None) -> list[Row]:
     n = len(x)
     rows = [measure(Row(data, n, EXACT[0]), lambda qq: numpy_topk(x, qq), q, None)]
     truth = numpy_topk(x, q)
@@ -257,7 +258,7 @@ def bench(data: str, x: np.ndarray, q: np.ndarray, seed: int, hnsw_max: int, ivf
         rows.append(measure(Row(data, n, f"IVF{nlist},Flat", f"nprobe {nprobe}", build), top_k(ivf), q, truth))
     del ivf, quantizer
     rows += fastscan_rows(data, x, q, truth)
-    rows.append(bank_index_row(data, x, q, truth))
+    rows.append(bank_index_row(data, x, q, truth, asked))
     advance()
 
     if ivfpq:
@@ -310,17 +311,21 @@ def fastscan_rows(data: str, x: np.ndarray, q: np.ndarray, truth: np.ndarray) ->
     return rows
 
 
-def bank_index_row(data: str, x: np.ndarray, q: np.ndarray, truth: np.ndarray) -> Row:
+def bank_index_row(data: str, x: np.ndarray, q: np.ndarray, truth: np.ndarray,
+                   asked: np.ndarray | None = None) -> Row:
     """What the bank itself searches with under the default config (``memory.index.kind: auto``):
-    exact FlatIP with BLAS batches below 50k keys, from there the kind this machine measured best."""
+    exact FlatIP with BLAS batches below 50k keys, from there the kind this machine measured best,
+    tuned on the queries the bank was ``asked`` before (other queries of the same source as ``q``,
+    as a training run asks before its bank grows)."""
     index = KeyIndex(DIM, IndexSpec())
+    if asked is not None:
+        index.search(asked, K)
     t0 = time.perf_counter()
     index.add(np.arange(len(x), dtype=np.int64), x)  # ids = rows, so results compare with truth
     index.wait()
     build = time.perf_counter() - t0
     params = ("flat, BLAS batches" if index.active == "flat" else
-              f"{index.active}" + (f" PQ{index.tuned['fastscan_m']}x4" if "fastscan_m" in index.tuned else "")
-              + f", nprobe {index.nprobe}" + (f", re-score top {K * index.rerank}" if index.active != "ivf_flat" else ""))
+              ", ".join([index.active, *(f"{k} {v}" for k, v in index.tuned.items())]))
     row = measure(Row(data, len(x), "bank KeyIndex (auto)", params, build, note=index.auto_note),
                   lambda qq: index.search(qq, K)[0], q, truth)
     del index
@@ -450,27 +455,31 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print(machine)
     cache = os.environ.get("HIERAGENT_CACHE")
     with tempfile.TemporaryDirectory() as fresh, Progress(console=console) as progress:
-        os.environ["HIERAGENT_CACHE"] = fresh  # auto measures in this run, not from an earlier cache
         upkeep_jobs = [] if a.no_upkeep else a.sizes
         task = progress.add_task("bench-memory", total=3 * len(jobs) + 1 + len(upkeep_jobs) + 2 * bool(stall_n))
         try:
             for data, n in jobs:
                 progress.update(task, description=f"{data} n={n:,}")
+                # auto measures in this run, for each data set afresh (a machine's cache is per key
+                # dimension, and these data sets share one)
+                os.environ["HIERAGENT_CACHE"] = os.path.join(fresh, f"{data}-{n}")
                 if data == "clustered":
-                    x, q = clustered(n, BATCH, a.seed)
+                    x, q = clustered(n, 2 * BATCH, a.seed)
                 elif data == "uniform":
-                    x, q = uniform(n, BATCH, a.seed)
+                    x, q = uniform(n, 2 * BATCH, a.seed)
                 else:
-                    x, q, rate = minilm(n, BATCH, a.seed)
+                    x, q, rate = minilm(n, 2 * BATCH, a.seed)
                     notes.append(f"MiniLM encoding: {rate:,.0f} texts/s on this machine "
                                  f"(100k texts: ~{1e5 / rate / 60:.1f} min)")
-                rows += bench(data, x, q, a.seed, a.hnsw_max, a.ivfpq, lambda: progress.advance(task))
+                q, asked = q[:BATCH], q[BATCH:]  # measured with the first, the bank asked the rest before
+                rows += bench(data, x, q, a.seed, a.hnsw_max, a.ivfpq, lambda: progress.advance(task), asked)
                 if data == "clustered" and n == diag_n:
                     diag = diagnose(x, q)
                 progress.advance(task)
                 del x, q
             for n in upkeep_jobs:
                 progress.update(task, description=f"bank upkeep n={n:,}")
+                os.environ["HIERAGENT_CACHE"] = os.path.join(fresh, f"clustered-{n}")  # what the search rows chose
                 draw = cluster_source(n, a.seed + 1)
                 bank, timings, load_s = bank_upkeep.upkeep(draw(n), draw, a.seed, updates=5 if a.quick else 20)
                 upkeep.append((n, bank.index_kind, timings, load_s))

@@ -1,36 +1,49 @@
 """What ``memory.index.kind: auto`` uses above its threshold: measured on this machine, cached.
 
-Which approximate index is fastest depends on the machine: where fp32 BLAS is fast and memory
-is slow, scanning full IVF lists loses to 4-bit fast-scan codes, and on another machine the
-order flips. So the first time a bank crosses ``auto_threshold`` (in the background build, so
-no training step waits), ``choose`` builds each candidate on a sample of the bank's own keys
-(up to ``SAMPLE`` of them; 256 more, held out, are the queries), exactly as the bank uses it,
-and times a batch of 256 queries at each search setting of ``SWEEP``, against exact FlatIP
-with BLAS batches:
+Which approximate index is fastest depends on the machine and on the keys: where fp32 BLAS is
+fast and memory slow, scanning full IVF lists loses to 4-bit fast-scan codes; keys with many
+near-ties (MiniLM embeddings of templated text) defeat coarse codes and favour a graph. So the
+first time a bank crosses ``auto_threshold`` (in the background build: no training step
+waits), ``build`` measures, in two stages.
 
-  * ``ivf_flat``: IVF with full keys, at ``nprobe`` 8, 16 and 32;
-  * ``ivf_fastscan``: IVF with 4-bit fast-scan PQ codes of an eighth and of half the key
-    dimension in sub-quantizers (48 and 192 at 384: coarse codes are fast, fine ones keep
-    MiniLM's close neighbours apart), ``rerank * k`` candidates re-scored exactly from the kept
-    keys, at (nprobe, rerank) (8, 5), (8, 10), (16, 5), (16, 10), (32, 10).
+The queries are the bank's own: ``KeyIndex`` keeps the latest ``QUERIES_KEPT`` (256) it was
+asked, and with at least ``MIN_QUERIES`` of them both stages measure on those; before a bank
+has been asked, on its keys (held out of the sample in stage 1; in stage 2 each key against
+its nearest other keys, which is easier: on MiniLM keys 0.988 where fresh texts got 0.937).
 
-The rule: the fastest setting whose recall@10 against exact search is at least ``RECALL``;
-if none reaches it, the most accurate. Speed is the machine's, recall the data's: the choice
-(kind, nprobe, rerank) is cached per machine (CPU model, cores, FAISS version, key dimension,
-fast-scan sub-quantizers) in ``<cache>/index_auto.json``, and a later bank on the machine builds
-only the cached setting on a sample of its own keys to check its recall (one build instead of
-the sweep); where it misses ``RECALL`` there, the sweep runs again and replaces the entry.
-Delete the file (or set ``$HIERAGENT_CACHE``) to measure afresh.
+1. **Structure, on a sample.** Each candidate structure is built on a sample of the bank's own
+   keys (up to ``SAMPLE``) and searched at every setting of its ``GRID``, against exact search
+   on the sample:
+
+   * ``ivf_flat``: IVF with full keys (``nprobe``);
+   * ``ivf_fastscan``: IVF with 4-bit fast-scan PQ codes of an eighth and of half the key
+     dimension in sub-quantizers, ``rerank * k`` candidates re-scored from the exact keys
+     (``nprobe`` x ``rerank``);
+   * ``hnsw``: a graph of degree 16 and of 32 (``ef_search``).
+
+   A sample is sparser than the bank, so its neighbours are farther and the absolute recall it
+   shows can be far below the bank's (a 100k sample of 1M clustered keys tops out at 0.87). The
+   rule compares structures at what the sample allows: the fastest setting whose recall@10 is
+   within ``SLACK`` of the best any setting reached (or at least ``RECALL``).
+2. **Search settings, on the bank.** The chosen structure is built over all the keys, and its
+   grid is searched again, against exact search over all the keys. The rule: the fastest
+   setting with recall@10 >= ``RECALL``, else the most accurate. Later retrainings of the
+   index (the bank has grown) repeat this stage.
+
+The structure is cached per machine (CPU model, cores, FAISS version, key dimension) in
+``<cache>/index_auto.json``. A later bank on the machine skips stage 1; where stage 2 then
+finds no setting with ``RECALL`` on its keys, stage 1 runs again on them and replaces the
+entry. Delete the file (or set ``$HIERAGENT_CACHE``) to measure afresh.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -38,18 +51,26 @@ import faiss
 import numpy as np
 
 from hieragent.io import atomic_write_text, cache_dir
-from hieragent.memory.index import IndexSpec, KeyIndex, blas_search
+from hieragent.memory.index import (IVF_KINDS, QUERIES_KEPT, STRUCTURE, IndexSpec, auto_nlist, empty_index, search_params,
+                                    search_rows, train_sample)
 
 log = logging.getLogger(__name__)
 
-CANDIDATES = ("ivf_flat", "ivf_fastscan")
-SWEEP = {"ivf_flat": ((8, 1), (16, 1), (32, 1)),
-         "ivf_fastscan": ((8, 5), (8, 10), (16, 5), (16, 10), (32, 10))}  # (nprobe, rerank)
-SETTING = ("kind", "fastscan_m", "nprobe", "rerank")  # what a choice fixes
+CANDIDATES = ("ivf_flat", "ivf_fastscan", "hnsw")
+GRID: dict[str, tuple[dict[str, int], ...]] = {
+    "ivf_flat": tuple({"nprobe": p} for p in (2, 4, 8, 16, 32, 64)),
+    "ivf_fastscan": tuple({"nprobe": p, "rerank": r} for p in (2, 4, 8, 16, 32) for r in (2, 5, 10, 20)),
+    "hnsw": tuple({"ef_search": e} for e in (10, 12, 16, 24, 32, 64, 128)),
+}
+HNSW_M = (16, 32)
 SAMPLE = 100_000
-QUERIES = 256
+QUERIES = QUERIES_KEPT
+MIN_QUERIES = 64  # recent queries needed to measure on them rather than on keys
 K = 10
 RECALL = 0.95
+SLACK = 0.02
+
+Make = Callable[[str, dict[str, int]], faiss.Index]  # (kind, structure) -> an index over the keys
 
 
 def cpu_name() -> str:
@@ -86,110 +107,189 @@ def _read_cache() -> dict[str, Any]:
         return {}
 
 
-def _timed(fn, reps: int = 3) -> float:
-    times = []
+def structures(dim: int, spec: IndexSpec) -> list[tuple[str, dict[str, int]]]:
+    """``(kind, build-time settings)`` of each candidate."""
+    ms = [spec.fastscan_m] if spec.fastscan_m else sorted({m for m in (dim // 8, dim // 2) if m and dim % m == 0})
+    return [("ivf_flat", {}), *(("ivf_fastscan", {"fastscan_m": m}) for m in ms),
+            *(("hnsw", {"hnsw_m": m}) for m in HNSW_M)]
+
+
+def exact_top(keys: np.ndarray, q: np.ndarray, k: int, exclude: np.ndarray | None = None) -> np.ndarray:
+    """Exact top-``k`` rows of ``keys`` for ``q`` ``[B, k]``; ``exclude``: each query's own row."""
+    rows = faiss.knn(q, keys, k + (exclude is not None), metric=faiss.METRIC_INNER_PRODUCT)[1]
+    return rows if exclude is None else without(rows, exclude, k)
+
+
+def without(rows: np.ndarray, exclude: np.ndarray, k: int) -> np.ndarray:
+    """``rows [B, >k]`` less each row's ``exclude[b]`` (or its last), order kept: ``[B, k]``."""
+    order = np.argsort(rows == exclude[:, None], axis=1, kind="stable")  # False (kept) first
+    return np.take_along_axis(rows, order, axis=1)[:, :k]
+
+
+def recall(found: np.ndarray, truth: np.ndarray) -> float:
+    return sum(len(set(f) & set(t)) for f, t in zip(found.tolist(), truth.tolist())) / truth.size
+
+
+def _fastest_of(fn: Callable[[], object], reps: int = 3) -> float:
+    """The least of ``reps`` timings: a build thread shares the cores, and the least is the
+    run least disturbed."""
+    best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
-def builds(dim: int, spec: IndexSpec) -> list[tuple[str, int]]:
-    """``(kind, fast-scan sub-quantizers)`` of each candidate index (0: not fast-scan)."""
-    ms = [spec.fastscan_m] if spec.fastscan_m else sorted({m for m in (dim // 8, dim // 2) if m and dim % m == 0})
-    return [("ivf_flat", 0), *(("ivf_fastscan", m) for m in ms)]
+def sweep(index: faiss.Index, kind: str, keys: np.ndarray, q: np.ndarray, truth: np.ndarray,
+          exclude: np.ndarray | None = None) -> list[dict[str, Any]]:
+    """Latency of a batch and recall@K of every ``GRID`` setting of ``index`` (rows of ``keys``)."""
+    out = []
+    n = K + (exclude is not None)
+    for setting in GRID[kind]:
+        if kind != "hnsw" and setting["nprobe"] > index.nlist:  # the same as probing every list
+            continue
+        params = search_params(index, kind, setting.get("nprobe", 1), setting.get("ef_search", 1))
+        rerank = setting.get("rerank", 1)
+
+        def search() -> np.ndarray:
+            return search_rows(index, kind, keys, q, n, params, rerank)[1][:, :n]
+
+        found = search()
+        seconds = _fastest_of(search)
+        found = found[:, :K] if exclude is None else without(found, exclude, K)
+        out.append({**setting, "ms": 1e3 * seconds, "recall": recall(found, truth)})
+    return out
 
 
-def measure(keys: np.ndarray, spec: IndexSpec, sample: int = SAMPLE,
-            only: dict[str, int] | None = None) -> dict[str, Any]:
-    """Batch latency and recall@10 of exact search and of each candidate setting on ``keys``
-    (``only``: one setting, a choice to check)."""
+def measure_sample(keys: np.ndarray, spec: IndexSpec, make_on: Callable[[np.ndarray], Make],
+                   queries: np.ndarray | None = None, sample: int | None = None) -> dict[str, Any]:
+    """Stage 1: every structure at every setting on a sample of ``keys`` (``make_on(x)``: a
+    builder of indexes over ``x``), for the bank's recent ``queries`` (else held-out keys)."""
     rng = np.random.default_rng(0)
-    pick = rng.choice(len(keys), min(len(keys), sample + QUERIES), replace=False)
-    q, x = np.ascontiguousarray(keys[pick[:QUERIES]]), np.ascontiguousarray(keys[pick[QUERIES:]])
-    flat = faiss.IndexFlatIP(x.shape[1])
-    flat.add(x)
-    with blas_search(len(q)):
-        truth = flat.search(q, K)[1]
-        exact_s = _timed(lambda: flat.search(q, K))
-    del flat
-    out: dict[str, Any] = {"keys": len(x), "exact_ms": 1e3 * exact_s, "settings": []}
-    for kind, m in builds(x.shape[1], spec):
-        if only is not None and (kind, m) != (only["kind"], only.get("fastscan_m", 0)):
+    real = queries is not None and len(queries) >= MIN_QUERIES
+    pick = rng.choice(len(keys), min(len(keys), (sample or SAMPLE) + (0 if real else QUERIES)), replace=False)
+    if real:
+        q, x = np.ascontiguousarray(queries), np.ascontiguousarray(keys[np.sort(pick)])
+    else:
+        q, x = np.ascontiguousarray(keys[pick[:QUERIES]]), np.ascontiguousarray(keys[pick[QUERIES:]])
+    truth = exact_top(x, q, K)
+    exact_s = _fastest_of(lambda: exact_top(x, q, K))
+    make = make_on(x)
+    out: dict[str, Any] = {"keys": len(x), "queries": "recent" if real else "held-out keys",
+                           "exact_ms": 1e3 * exact_s, "settings": []}
+    for kind, structure in structures(x.shape[1], spec):
+        index = make(kind, structure)
+        if index is None:  # too few keys to train this kind
             continue
-        cand = dataclasses.replace(spec, kind=kind, background_from=10**12, train_per_list=1, fastscan_m=m)
-        index = KeyIndex(x.shape[1], cand)
-        index.add(np.arange(len(x), dtype=np.int64), x)
-        if index.active != kind:  # too few keys for this kind's training
-            continue
-        settings = SWEEP[kind] if only is None else ((only["nprobe"], only["rerank"]),)
-        for nprobe, rerank in settings:
-            index.tuned = {"nprobe": nprobe, "rerank": rerank}
-            found = index.search(q, K)[0]
-            seconds = _timed(lambda: index.search(q, K))
-            recall = sum(len(set(f) & set(t)) for f, t in zip(found.tolist(), truth.tolist())) / truth.size
-            out["settings"].append({"kind": kind, "fastscan_m": m, "nprobe": nprobe, "rerank": rerank,
-                                    "ms": 1e3 * seconds, "speedup": exact_s / seconds, "recall": recall})
+        out["settings"] += [{"kind": kind, **structure, **r} for r in sweep(index, kind, x, q, truth)]
         del index
     return out
 
 
 def decide(measured: dict[str, Any]) -> dict[str, Any]:
-    """The fastest setting with recall@10 >= RECALL, else the most accurate one."""
+    """Stage 1's rule: the fastest setting within ``SLACK`` of the best recall (or >= RECALL)."""
     settings = measured["settings"]
     if not settings:
-        return {"kind": "ivf_flat", "fastscan_m": 0, "nprobe": 16, "rerank": 1}
-    good = [c for c in settings if c["recall"] >= RECALL]
-    best = min(good, key=lambda c: c["ms"]) if good else max(settings, key=lambda c: c["recall"])
-    return {k: best.get(k, 0) for k in SETTING}
+        return {"kind": "ivf_flat"}
+    target = min(RECALL, max(c["recall"] for c in settings) - SLACK)
+    best = min((c for c in settings if c["recall"] >= target), key=lambda c: c["ms"])
+    return {"kind": best["kind"], **{k: best[k] for k in STRUCTURE if k in best}}
 
 
-def describe(choice: dict[str, Any], measured: dict[str, Any], cached: bool) -> str:
-    best = next(c for c in measured["settings"] if all(c.get(k, 0) == choice[k] for k in SETTING))
-    if cached:
-        how = "the machine's cached choice, its recall checked"
-    elif best["recall"] >= RECALL:
-        how = f"measured now, the fastest of {len(measured['settings'])} settings with recall@10 >= {RECALL}"
+def tune(index: faiss.Index, kind: str, keys: np.ndarray,
+         queries: np.ndarray | None = None) -> tuple[dict[str, int], dict[str, Any]]:
+    """Stage 2: the search settings of ``index`` over ``keys``, measured with the bank's recent
+    ``queries`` (at least ``MIN_QUERIES``), else with ``QUERIES`` of the keys as queries, each
+    against its nearest other keys. ``(settings, what was measured)``."""
+    if queries is not None and len(queries) >= MIN_QUERIES:
+        q, rows, asked = np.ascontiguousarray(queries), None, f"its {len(queries)} latest queries"
     else:
-        how = f"measured now; none of {len(measured['settings'])} settings reached recall@10 {RECALL}: the most accurate"
-    return (f"auto chose {choice['kind']}"
-            + (f" PQ{choice['fastscan_m']}x4" if choice["kind"] == "ivf_fastscan" else "")
-            + f" nprobe {choice['nprobe']}" + (f" rerank {choice['rerank']}" if choice["kind"] != "ivf_flat" else "")
-            + f": {best['ms']:.1f} ms per {QUERIES} queries, {best['speedup']:.0f}x exact "
-              f"({measured['exact_ms']:.0f} ms), recall@10 {best['recall']:.3f} ({how}, on "
-              f"{measured['keys']:,} of the bank's keys)")
+        rows = np.sort(np.random.default_rng(1).choice(len(keys), min(QUERIES, len(keys)), replace=False))
+        q, asked = np.ascontiguousarray(keys[rows]), f"{len(rows)} of them as queries"
+    truth = exact_top(keys, q, K, exclude=rows)
+    results = sweep(index, kind, keys, q, truth, exclude=rows)
+    good = [r for r in results if r["recall"] >= RECALL]
+    best = min(good, key=lambda r: r["ms"]) if good else max(results, key=lambda r: r["recall"])
+    return {k: v for k, v in best.items() if k not in ("ms", "recall")}, {"keys": len(keys), "asked": asked,
+                                                                          "best": best, "settings": results}
 
 
-def choose(keys: np.ndarray, spec: IndexSpec) -> tuple[str, dict[str, int], str]:
-    """``(kind, {"nprobe", "rerank"}, note)``: this machine's measured choice for ``keys``."""
-    key = machine_key(keys.shape[1], spec)
-    cache = _read_cache()
-    hit = cache.get(key)
-    try:
-        choice = {"kind": hit["choice"]["kind"], **{k: int(hit["choice"].get(k, 0)) for k in SETTING[1:]}}
-    except (TypeError, KeyError, ValueError, AttributeError):
-        choice = None  # no entry (or one from another version): measure
-    if choice is not None and choice["kind"] in CANDIDATES:
-        check = measure(keys, spec, only=choice)
-        if check["settings"] and check["settings"][0]["recall"] >= RECALL:
-            return choice["kind"], tuned_of(choice), describe(choice, check, True)
-        got = check["settings"][0]["recall"] if check["settings"] else float("nan")
-        log.info("memory index: the cached auto choice %s reaches recall@10 %.3f on this bank's keys, "
-                 "below %.2f; measuring every setting again", choice, got, RECALL)
-    measured = measure(keys, spec)
+def describe(kind: str, tuned: dict[str, int], tuned_on: dict[str, Any], how: str) -> str:
+    best = tuned_on["best"]
+    name = kind + "".join(f" {k} {v}" for k, v in tuned.items())
+    verdict = "" if best["recall"] >= RECALL else f", the most accurate: none reached {RECALL}"
+    return (f"auto chose {name} ({how}); on the bank's {tuned_on['keys']:,} keys, {tuned_on['asked']}: "
+            f"{best['ms']:.1f} ms per batch, recall@{K} {best['recall']:.3f}{verdict}")
+
+
+def build(keys: np.ndarray, spec: IndexSpec, make: Make,
+          chosen: tuple[str, dict[str, int]] | None = None, make_on: Callable[[np.ndarray], Make] | None = None,
+          queries: np.ndarray | None = None) -> tuple[str, faiss.Index, dict[str, int], str]:
+    """Choose (unless ``chosen``, a retraining), build over ``keys`` with ``make`` and tune:
+    ``(kind, index, tuned settings, note)``."""
+    cached = False
+    if chosen is not None:
+        kind, structure = chosen[0], {k: v for k, v in chosen[1].items() if k in STRUCTURE}
+        how = "retrained; the structure kept"
+    else:
+        key = machine_key(keys.shape[1], spec)
+        hit = _read_cache().get(key)
+        try:
+            kind, structure = hit["choice"]["kind"], {k: int(v) for k, v in hit["choice"].items() if k in STRUCTURE}
+            cached = kind in CANDIDATES
+        except (TypeError, KeyError, ValueError, AttributeError):
+            cached = False  # no entry (or one from another version): measure
+        if not cached:
+            kind, structure, how = _measure_and_cache(keys, spec, make_on, queries)
+        else:
+            how = "the machine's cached structure"
+    index = make(kind, structure)
+    settings, tuned_on = tune(index, kind, keys, queries)
+    if cached and tuned_on["best"]["recall"] < RECALL:
+        log.info("memory index: the cached auto choice %s %s reaches recall@%d %.3f at best on this bank's keys, "
+                 "below %.2f; measuring every structure again", kind, structure, K, tuned_on["best"]["recall"], RECALL)
+        again, again_structure, how = _measure_and_cache(keys, spec, make_on, queries)
+        if (again, again_structure) != (kind, structure):
+            kind, structure = again, again_structure
+            index = make(kind, structure)
+            settings, tuned_on = tune(index, kind, keys, queries)
+    tuned = {**structure, **settings}
+    note = describe(kind, tuned, tuned_on, how)
+    log.info("memory index: %s", note)
+    return kind, index, tuned, note
+
+
+def _measure_and_cache(keys: np.ndarray, spec: IndexSpec, make_on: Callable[[np.ndarray], Make] | None,
+                       queries: np.ndarray | None) -> tuple[str, dict[str, int], str]:
+    measured = measure_sample(keys, spec, make_on or default_make_on(spec), queries)
     choice = decide(measured)
-    cache[key] = {"choice": choice, "measured": measured,
-                  "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    cache = _read_cache()
+    cache[machine_key(keys.shape[1], spec)] = {"choice": choice, "measured": measured,
+                                               "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     try:
+        cache_file().parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(cache_file(), json.dumps(cache, indent=1))
     except OSError as e:
         log.warning("memory index: could not cache the auto-index choice in %s (%s)", cache_file(), e)
-    note = describe(choice, measured, cached=False)
-    log.info("memory index: %s", note)
-    return choice["kind"], tuned_of(choice), note
+    structure = {k: v for k, v in choice.items() if k in STRUCTURE}
+    return choice["kind"], structure, (f"measured now: of {len(measured['settings'])} settings on "
+                                       f"{measured['keys']:,} sampled keys, the fastest within {SLACK} of the "
+                                       f"best recall")
 
 
-def tuned_of(choice: dict[str, Any]) -> dict[str, int]:
-    """The search (and fast-scan build) settings a ``KeyIndex`` takes from a choice."""
-    return {k: int(choice[k]) for k in SETTING[1:] if choice[k]}
+def default_make_on(spec: IndexSpec) -> Callable[[np.ndarray], Make]:
+    """Index builders over a sample, as the bank builds them (IVF: ``auto_nlist`` of its size)."""
+    def make_on(x: np.ndarray) -> Make:
+        def make(kind: str, structure: dict[str, int]) -> faiss.Index | None:
+            index = empty_index(kind, x.shape[1], spec, spec.nlist or auto_nlist(len(x)), structure)
+            if kind in IVF_KINDS:
+                if len(x) < index.nlist * (16 if kind == "ivf_fastscan" else 1):
+                    return None
+                index.train(train_sample(x, np.arange(len(x)), index.nlist))
+            index.add(x)
+            return index
+
+        return make
+
+    return make_on

@@ -53,12 +53,14 @@ log = logging.getLogger(__name__)
 INDEX_KINDS = ("flat", "ivf_flat", "ivf_pq", "ivf_fastscan", "hnsw", "auto")
 IVF_KINDS = ("ivf_flat", "ivf_pq", "ivf_fastscan")
 RERANKED = ("ivf_pq", "ivf_fastscan")
+STRUCTURE = ("fastscan_m", "hnsw_m")  # what auto's ``tuned`` fixes at build time; the rest are search settings
 BLAS_MIN_BATCH = 16  # batches at least this large take FAISS's BLAS path in exact search
 TRAIN_PER_LIST_MAX = 64  # IVF trains its quantizer on at most this many keys per list
 # rows per call while (re)building: numpy copies and dict updates hold the GIL, so a background
 # build does its Python-side work in slices of a few milliseconds and the step is never blocked long
 CHUNK = 8192
 HEADROOM_AT = 0.9  # a large index rebuilds into a bigger buffer in the background at this fill
+QUERIES_KEPT = 256  # recent queries kept for ``auto`` to measure recall on
 CATCH_UP_LEFT = 512  # a background build hands over once at most this many new rows are unindexed
 _blas_lock = threading.Lock()
 
@@ -145,19 +147,21 @@ def auto_nlist(n: int) -> int:
     return max(1, 2 ** round(math.log2(max(4.0 * math.sqrt(n), 1.0))))
 
 
-def empty_index(kind: str, dim: int, spec: IndexSpec, nlist: int, m: int | None = None) -> faiss.Index:
-    """An untrained FAISS index of ``kind`` whose labels will be row numbers."""
+def empty_index(kind: str, dim: int, spec: IndexSpec, nlist: int, tuned: dict[str, int] | None = None) -> faiss.Index:
+    """An untrained FAISS index of ``kind`` whose labels will be row numbers (``tuned``: the
+    ``fastscan_m`` or ``hnsw_m`` that ``auto`` chose, over the spec's)."""
+    tuned = tuned or {}
     if kind == "flat":
         return faiss.IndexFlatIP(dim)
     if kind == "hnsw":
-        return faiss.IndexHNSWFlat(dim, spec.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        return faiss.IndexHNSWFlat(dim, tuned.get("hnsw_m", spec.hnsw_m), faiss.METRIC_INNER_PRODUCT)
     quantizer = faiss.IndexFlatIP(dim)
     if kind == "ivf_flat":
         index = faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
     elif kind == "ivf_pq":
         index = faiss.IndexIVFPQ(quantizer, dim, nlist, spec.pq_m, 8, faiss.METRIC_INNER_PRODUCT)
     else:
-        index = faiss.IndexIVFPQFastScan(quantizer, dim, nlist, m or fastscan_m(spec, dim), 4,
+        index = faiss.IndexIVFPQFastScan(quantizer, dim, nlist, tuned.get("fastscan_m") or fastscan_m(spec, dim), 4,
                                          faiss.METRIC_INNER_PRODUCT)
     return index  # faiss's Python wrapper keeps the quantizer alive with the index
 
@@ -184,6 +188,41 @@ def train_sample(keys: np.ndarray, rows: np.ndarray, nlist: int) -> np.ndarray:
     if len(rows) > cap:
         rows = np.sort(np.random.default_rng(0).choice(rows, cap, replace=False))
     return keys[rows]
+
+
+def rescore(buf: np.ndarray, q: np.ndarray, rows: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact inner products of candidate ``rows [B, m]`` of ``buf`` with ``q``, best ``n`` first
+    (-1, a row the index could not fill, stays last): ``(scores, rows)``, ``[B, n]`` each."""
+    valid = rows >= 0
+    safe = np.ascontiguousarray(np.where(valid, rows, 0), dtype=np.int64)
+    exact = np.empty(rows.shape, dtype=np.float32)  # [B, m]; by row in C++, no [B, m, D] gather
+    faiss.fvec_inner_products_by_idx(faiss.swig_ptr(exact), faiss.swig_ptr(q), faiss.swig_ptr(buf),
+                                     faiss.swig_ptr(safe), buf.shape[1], len(q), rows.shape[1])
+    exact[~valid] = -np.inf
+    top = np.argsort(-exact, axis=1, kind="stable")[:, :n]
+    return np.take_along_axis(exact, top, axis=1).astype(np.float32), np.take_along_axis(rows, top, axis=1)
+
+
+def search_params(index: faiss.Index, kind: str, nprobe: int, ef_search: int,
+                  sel: faiss.IDSelector | None = None) -> faiss.SearchParameters | None:
+    """FAISS search parameters of ``kind`` (``sel``: the rows to consider, None for all)."""
+    if kind == "flat":
+        return None if sel is None else faiss.SearchParameters(sel=sel)
+    if kind == "hnsw":
+        return faiss.SearchParametersHNSW(efSearch=ef_search, sel=sel)
+    return faiss.SearchParametersIVF(nprobe=min(nprobe, index.nlist), sel=sel)
+
+
+def search_rows(index: faiss.Index, kind: str, buf: np.ndarray, q: np.ndarray, n: int,
+                params: faiss.SearchParameters | None, rerank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``n`` ``(scores, rows)`` of ``index`` (of ``kind``, labelled by rows of ``buf``) for
+    ``q``, PQ candidates re-scored exactly; ``[B, >= n]``, rows -1 where the index found too few."""
+    fetch = min(n * rerank if kind in RERANKED else n, index.ntotal)
+    if kind == "flat":
+        with blas_search(len(q)):
+            return index.search(q, fetch, params=params)
+    scores, rows = index.search(q, fetch, params=params)
+    return rescore(buf, q, rows, n) if kind in RERANKED else (scores, rows)
 
 
 @dataclass
@@ -245,6 +284,8 @@ class KeyIndex:
         self.hold_swaps = False  # across processes: a finished background build waits for wait()
         self.ops: Counter[str] = Counter()
         self._faiss: faiss.Index = faiss.IndexFlatIP(dim)
+        self._queries = np.zeros((QUERIES_KEPT, dim), dtype=np.float32)
+        self._asked = 0
 
     # ---- reading -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -262,6 +303,10 @@ class KeyIndex:
     @property
     def rerank(self) -> int:
         return self.tuned.get("rerank", self.spec.rerank)
+
+    @property
+    def ef_search(self) -> int:
+        return self.tuned.get("ef_search", self.spec.ef_search)
 
     @property
     def building(self) -> str | None:
@@ -284,44 +329,34 @@ class KeyIndex:
         """
         self._poll()
         q = np.ascontiguousarray(q, dtype=np.float32)
+        self._remember(q)
         n = min(n, len(self))
         if n == 0:
             return np.zeros((len(q), 0), dtype=np.int64), np.zeros((len(q), 0), dtype=np.float32)
-        fetch = min(n * self.rerank if self.active in RERANKED else n, self._n)
         params, _selector = self._params()
-        if self.active == "flat":
-            with blas_search(len(q)):
-                scores, rows = self._faiss.search(q, fetch, params=params)
-        else:
-            scores, rows = self._faiss.search(q, fetch, params=params)
-        if self.active in RERANKED:
-            scores, rows = self._rescore(q, rows, n)
+        scores, rows = search_rows(self._faiss, self.active, self._buf, q, n, params, self.rerank)
         short = (rows[:, :n] < 0).any(axis=1)
         if short.any():
             rows, scores = rows[:, :n].copy(), scores[:, :n].copy()
             rows[short], scores[short] = self._exact(q[short], n)
         return self._rid[rows[:, :n]], scores[:, :n]
 
+    def _remember(self, q: np.ndarray) -> None:
+        """Keep the last ``QUERIES_KEPT`` queries (a ring): ``auto`` tunes on what is asked."""
+        q = q[-QUERIES_KEPT:]
+        at = np.arange(self._asked, self._asked + len(q)) % QUERIES_KEPT
+        self._queries[at] = q
+        self._asked += len(q)
+
+    def recent_queries(self) -> np.ndarray:
+        """The queries kept, ``[min(asked, QUERIES_KEPT), D]`` (a copy)."""
+        return self._queries[: min(self._asked, QUERIES_KEPT)].copy()
+
     def _params(self) -> tuple[faiss.SearchParameters | None, faiss.IDSelector | None]:
         """Search settings, with the live bitmap as a selector once rows were removed; the
         caller holds the selector until the search returns (older FAISS wrappers do not)."""
         sel = faiss.IDSelectorBitmap(self._n, faiss.swig_ptr(self._bits)) if self._dead else None
-        if self.active == "flat":
-            return (None if sel is None else faiss.SearchParameters(sel=sel)), sel
-        if self.active == "hnsw":
-            return faiss.SearchParametersHNSW(efSearch=self.spec.ef_search, sel=sel), sel
-        return faiss.SearchParametersIVF(nprobe=min(self.nprobe, self._faiss.nlist), sel=sel), sel
-
-    def _rescore(self, q: np.ndarray, rows: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """Exact cosines of PQ candidates ``rows [B, m]``, best ``n`` first (-1 stays last)."""
-        valid = rows >= 0
-        safe = np.ascontiguousarray(np.where(valid, rows, 0), dtype=np.int64)
-        exact = np.empty(rows.shape, dtype=np.float32)  # [B, m]; by id in C++, no [B, m, D] gather
-        faiss.fvec_inner_products_by_idx(faiss.swig_ptr(exact), faiss.swig_ptr(q), faiss.swig_ptr(self._buf),
-                                         faiss.swig_ptr(safe), self.dim, len(q), rows.shape[1])
-        exact[~valid] = -np.inf
-        top = np.argsort(-exact, axis=1, kind="stable")[:, :n]
-        return np.take_along_axis(exact, top, axis=1).astype(np.float32), np.take_along_axis(rows, top, axis=1)
+        return search_params(self._faiss, self.active, self.nprobe, self.ef_search, sel), sel
 
     def _exact(self, q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Exact top-n rows of live keys ``[B, n]`` (the fallback for rows IVF leaves short)."""
@@ -392,7 +427,7 @@ class KeyIndex:
         if job is None or job.built is None or not self.ready():
             return
         kind, tuned = choice
-        if job.built.kind == kind and job.built.tuned.get("fastscan_m") == tuned.get("fastscan_m"):
+        if job.built.kind == kind and all(job.built.tuned.get(k) == tuned.get(k) for k in STRUCTURE):
             job.built.tuned = dict(tuned)  # the same index: only the search settings differ
             return
         self._job = None
@@ -421,7 +456,7 @@ class KeyIndex:
             return
         want = self._wanted()
         if want != self.active or self._needs_retrain():
-            self._start(want, train=True)
+            self._start(want, train=True, tune=True)
         elif self._dead and self._dead >= self.spec.compact_fraction * self._n:
             self._start(self.active, train=False)
         elif self._n >= HEADROOM_AT * len(self._buf) and self._n >= self.spec.background_from:
@@ -429,12 +464,13 @@ class KeyIndex:
             # the step: rebuild into a larger one in the background instead
             self._start(self.active, train=False)
 
-    def _start(self, kind: str, train: bool, background: bool | None = None) -> None:
-        """Snapshot the rows and build ``kind`` over the live ones (``"auto"``: choose it)."""
+    def _start(self, kind: str, train: bool, background: bool | None = None, tune: bool = False) -> None:
+        """Snapshot the rows and build ``kind`` over the live ones (``"auto"``: choose it;
+        ``tune``: where ``auto`` chose ``kind``, measure its search settings again)."""
         keep = np.flatnonzero(self._live[: self._n])
         template = None if train or kind != self.active else self._template
         job = _Job(kind=kind, snap_n=self._n)
-        args = (self._buf, self._rid, keep, kind, template)
+        args = (self._buf, self._rid, keep, kind, template, tune, self.recent_queries())
         if background is None:
             background = len(keep) >= self.spec.background_from
         if not background:
@@ -462,7 +498,7 @@ class KeyIndex:
         job.thread.start()
 
     def _build(self, buf: np.ndarray, rid: np.ndarray, keep: np.ndarray, kind: str,
-               template: faiss.Index | None) -> _Built:
+               template: faiss.Index | None, tune: bool = False, queries: np.ndarray | None = None) -> _Built:
         """The new rows and index from a snapshot: reads rows of ``buf`` that nobody writes."""
         m = len(keep)
         cap = max(64, m + m // 2)  # headroom: compaction (at a quarter dead) comes before growth
@@ -472,21 +508,32 @@ class KeyIndex:
             e = min(s + CHUNK, m)
             new_buf[s:e], new_rid[s:e] = buf[keep[s:e]], rid[keep[s:e]]
         note, tuned = "", dict(self.tuned)
-        if kind == "auto":
-            from hieragent.memory.autotune import choose
-
-            kind, tuned, note = choose(new_buf[:m], self.spec)
+        keys = new_buf[:m]
         trained_at = self.trained_at
-        if template is not None:
-            index = faiss.clone_index(template)
-        else:
-            index = empty_index(kind, self.dim, self.spec, self._nlist(m), tuned.get("fastscan_m"))
+
+        def make(kind: str, tuned: dict[str, int]) -> faiss.Index:
+            """A new index of ``kind`` over ``keys``, trained on them where it is IVF."""
+            nonlocal template, trained_at
+            index = empty_index(kind, self.dim, self.spec, self._nlist(m), tuned)
             if kind in IVF_KINDS:
                 index.train(train_sample(new_buf, np.arange(m), index.nlist))
-                trained_at = m
-                template = faiss.clone_index(index)
-        for s in range(0, m, 8 * CHUNK):  # FAISS releases the GIL: larger slices
-            index.add(new_buf[s:min(s + 8 * CHUNK, m)])
+                trained_at, template = m, faiss.clone_index(index)
+            for s in range(0, m, 8 * CHUNK):  # FAISS releases the GIL: larger slices
+                index.add(keys[s:min(s + 8 * CHUNK, m)])
+            return index
+
+        if kind == "auto" or (tune and self.spec.kind == "auto" and kind != "flat"):
+            # auto's first build chooses the kind; its retrainings measure the search settings again
+            from hieragent.memory import autotune
+
+            kind, index, tuned, note = autotune.build(keys, self.spec, make, None if kind == "auto" else (kind, tuned),
+                                                      queries=queries)
+        elif template is not None:  # a compaction: the trained quantizer, the live keys re-added
+            index = faiss.clone_index(template)
+            for s in range(0, m, 8 * CHUNK):
+                index.add(keys[s:min(s + 8 * CHUNK, m)])
+        else:
+            index = make(kind, tuned)
         row: dict[int, int] = {}
         for s in range(0, m, CHUNK):
             e = min(s + CHUNK, m)

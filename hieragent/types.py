@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+import numpy as np
+
 Role = Literal["planner", "executor"]
 ROLES: tuple[Role, ...] = ("planner", "executor")
 
@@ -59,7 +61,7 @@ class StepResult:
     feedback: str = ""
 
 
-@dataclass
+@dataclass(eq=False)
 class Retrieval:
     """A stochastic memory retrieval that is part of a planner turn.
 
@@ -68,20 +70,43 @@ class Retrieval:
     Keys are copied in so that the log-probability can be recomputed after the bank moved on.
 
     Attributes:
-        query: Frozen encoder embedding of the query text. ``[D]``
-        keys: Candidate key embeddings, as stored in the bank. ``[N, D]``
+        query: Frozen encoder embedding of the query text. ``[D]`` float32
+        keys: Candidate key embeddings, as stored in the bank. ``[N, D]`` float32
         entry_ids: Bank ids of the N candidates.
         chosen: Positions in ``0..N-1`` of the chosen entries, in the order they were drawn.
         old_logprob: Log-probability of that ordered choice under the behaviour adapter.
         temperature: Softmax temperature used for the choice.
+
+    ``query`` and ``keys`` are numpy arrays (lists are converted: a checkpoint stores lists);
+    equality compares their values.
     """
 
-    query: list[float]
-    keys: list[list[float]]
+    query: np.ndarray
+    keys: np.ndarray
     entry_ids: list[int]
     chosen: list[int]
     old_logprob: float
     temperature: float
+
+    def __post_init__(self) -> None:
+        self.query = np.asarray(self.query, dtype=np.float32).reshape(-1)
+        keys = np.asarray(self.keys, dtype=np.float32)
+        if keys.ndim != 2:  # [] (no candidates, or a summary's emptied vectors)
+            d = len(self.query)
+            keys = keys.reshape(keys.size // d if d else 0, d)
+        self.keys = keys
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Retrieval):
+            return NotImplemented
+        return (np.array_equal(self.query, other.query) and np.array_equal(self.keys, other.keys)
+                and (self.entry_ids, self.chosen, self.old_logprob, self.temperature)
+                == (other.entry_ids, other.chosen, other.old_logprob, other.temperature))
+
+    def plain(self) -> dict:
+        """The fields as JSON-able lists (what a checkpoint stores)."""
+        return {"query": self.query.tolist(), "keys": self.keys.tolist(), "entry_ids": list(self.entry_ids),
+                "chosen": list(self.chosen), "old_logprob": self.old_logprob, "temperature": self.temperature}
 
 
 @dataclass

@@ -69,6 +69,7 @@ MIN_QUERIES = 64  # recent queries needed to measure on them rather than on keys
 K = 10
 RECALL = 0.95
 SLACK = 0.02
+TRIES = 3  # structures built over all the keys at most, before keeping the most accurate
 
 Make = Callable[[str, dict[str, int]], faiss.Index]  # (kind, structure) -> an index over the keys
 
@@ -187,14 +188,29 @@ def measure_sample(keys: np.ndarray, spec: IndexSpec, make_on: Callable[[np.ndar
     return out
 
 
-def decide(measured: dict[str, Any]) -> dict[str, Any]:
-    """Stage 1's rule: the fastest setting within ``SLACK`` of the best recall (or >= RECALL)."""
+Structure = tuple[str, dict[str, int]]  # (kind, build-time settings)
+
+
+def ranked(measured: dict[str, Any]) -> list[Structure]:
+    """Stage 1's rule as an order of structures: first those with a setting whose recall is
+    within ``SLACK`` of the best any setting reached (or at least ``RECALL``), by the time of
+    their fastest such setting; then the rest, the most accurate first."""
     settings = measured["settings"]
     if not settings:
-        return {"kind": "ivf_flat"}
+        return [("ivf_flat", {})]
     target = min(RECALL, max(c["recall"] for c in settings) - SLACK)
-    best = min((c for c in settings if c["recall"] >= target), key=lambda c: c["ms"])
-    return {"kind": best["kind"], **{k: best[k] for k in STRUCTURE if k in best}}
+    score: dict[tuple, tuple[int, float]] = {}
+    for c in settings:
+        key = (c["kind"], *((k, c[k]) for k in STRUCTURE if k in c))
+        s = (0, c["ms"]) if c["recall"] >= target else (1, -c["recall"])
+        score[key] = min(score.get(key, s), s)
+    return [(key[0], dict(key[1:])) for key in sorted(score, key=score.__getitem__)]
+
+
+def decide(measured: dict[str, Any]) -> dict[str, Any]:
+    """Stage 1's choice: the first of ``ranked``."""
+    kind, structure = ranked(measured)[0]
+    return {"kind": kind, **structure}
 
 
 def tune(index: faiss.Index, kind: str, keys: np.ndarray,
@@ -224,58 +240,79 @@ def describe(kind: str, tuned: dict[str, int], tuned_on: dict[str, Any], how: st
 
 
 def build(keys: np.ndarray, spec: IndexSpec, make: Make,
-          chosen: tuple[str, dict[str, int]] | None = None, make_on: Callable[[np.ndarray], Make] | None = None,
+          chosen: Structure | None = None, make_on: Callable[[np.ndarray], Make] | None = None,
           queries: np.ndarray | None = None) -> tuple[str, faiss.Index, dict[str, int], str]:
     """Choose (unless ``chosen``, a retraining), build over ``keys`` with ``make`` and tune:
-    ``(kind, index, tuned settings, note)``."""
-    cached = False
+    ``(kind, index, tuned settings, note)``.
+
+    A structure whose best setting misses ``RECALL`` on all the keys (a sample can flatter
+    one: a graph that finds a 100k sample's neighbours may lose them among 1M clustered keys)
+    gives way to the next kind in stage 1's order (the same kind with other build settings
+    would miss as well), up to ``TRIES`` builds; the one kept is cached."""
     if chosen is not None:
-        kind, structure = chosen[0], {k: v for k, v in chosen[1].items() if k in STRUCTURE}
-        how = "retrained; the structure kept"
+        queue = [(chosen[0], {k: v for k, v in chosen[1].items() if k in STRUCTURE})]
+        how, measured = "retrained; the structure kept", True  # nothing else to try
     else:
-        key = machine_key(keys.shape[1], spec)
-        hit = _read_cache().get(key)
+        hit = _read_cache().get(machine_key(keys.shape[1], spec))
         try:
-            kind, structure = hit["choice"]["kind"], {k: int(v) for k, v in hit["choice"].items() if k in STRUCTURE}
-            cached = kind in CANDIDATES
-        except (TypeError, KeyError, ValueError, AttributeError):
-            cached = False  # no entry (or one from another version): measure
-        if not cached:
-            kind, structure, how = _measure_and_cache(keys, spec, make_on, queries)
-        else:
-            how = "the machine's cached structure"
-    index = make(kind, structure)
-    settings, tuned_on = tune(index, kind, keys, queries)
-    if cached and tuned_on["best"]["recall"] < RECALL:
-        log.info("memory index: the cached auto choice %s %s reaches recall@%d %.3f at best on this bank's keys, "
-                 "below %.2f; measuring every structure again", kind, structure, K, tuned_on["best"]["recall"], RECALL)
-        again, again_structure, how = _measure_and_cache(keys, spec, make_on, queries)
-        if (again, again_structure) != (kind, structure):
-            kind, structure = again, again_structure
-            index = make(kind, structure)
-            settings, tuned_on = tune(index, kind, keys, queries)
+            queue = [(hit["choice"]["kind"], {k: int(v) for k, v in hit["choice"].items() if k in STRUCTURE})]
+            if queue[0][0] not in CANDIDATES:
+                raise ValueError(queue[0][0])
+            how, measured = "the machine's cached structure", False
+        except (TypeError, KeyError, ValueError, AttributeError):  # no entry (or another version's)
+            queue, how, measured = [], "", False
+    tried: list[tuple[str, dict[str, int], faiss.Index, dict[str, int], dict[str, Any]]] = []
+    sample: dict[str, Any] | None = None
+    while len(tried) < TRIES:
+        if not queue and not measured:
+            sample = measure_sample(keys, spec, make_on or default_make_on(spec), queries)
+            measured = True
+            queue = ranked(sample)
+            how = (f"measured now: of {len(sample['settings'])} settings on {sample['keys']:,} sampled keys, "
+                   f"the fastest within {SLACK} of the best recall")
+        queue = [s for s in queue if all(s[0] != k for k, *_ in tried)]  # a kind that missed misses again
+        if not queue:
+            break
+        kind, structure = queue.pop(0)
+        index = make(kind, structure)
+        settings, tuned_on = tune(index, kind, keys, queries)
+        tried.append((kind, structure, index, settings, tuned_on))
+        if tuned_on["best"]["recall"] >= RECALL:
+            break
+        log.info("memory index: auto's %s %s reaches recall@%d %.3f at best on the bank's %d keys, below %.2f; "
+                 "trying the next structure", kind, structure, K, tuned_on["best"]["recall"], len(keys), RECALL)
+        del index
+        tried[-1] = (kind, structure, None, settings, tuned_on)  # keep the figures, not the index
+    good = [t for t in tried if t[4]["best"]["recall"] >= RECALL]
+    kind, structure, index, settings, tuned_on = good[0] if good else max(tried, key=lambda t: t[4]["best"]["recall"])
+    if index is None:  # none reached RECALL: the most accurate, built again
+        index = make(kind, structure)
+    if len(tried) > 1:
+        how += "; " + ", ".join(f"{k} {st} missed (recall@{K} {t['best']['recall']:.3f})"
+                                for k, st, _, _, t in tried if (k, st) != (kind, structure))
+    if chosen is None:
+        _cache({"kind": kind, **structure}, sample, keys.shape[1], spec)
     tuned = {**structure, **settings}
     note = describe(kind, tuned, tuned_on, how)
     log.info("memory index: %s", note)
     return kind, index, tuned, note
 
 
-def _measure_and_cache(keys: np.ndarray, spec: IndexSpec, make_on: Callable[[np.ndarray], Make] | None,
-                       queries: np.ndarray | None) -> tuple[str, dict[str, int], str]:
-    measured = measure_sample(keys, spec, make_on or default_make_on(spec), queries)
-    choice = decide(measured)
+def _cache(choice: dict[str, Any], sample: dict[str, Any] | None, dim: int, spec: IndexSpec) -> None:
+    """Record ``choice`` (and what stage 1 measured, where it ran) for this machine."""
     cache = _read_cache()
-    cache[machine_key(keys.shape[1], spec)] = {"choice": choice, "measured": measured,
-                                               "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    key = machine_key(dim, spec)
+    entry = cache.get(key) if isinstance(cache.get(key), dict) else {}
+    if entry.get("choice") == choice and sample is None:
+        return
+    entry = {"choice": choice, "measured": sample if sample is not None else entry.get("measured"),
+             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    cache[key] = entry
     try:
         cache_file().parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(cache_file(), json.dumps(cache, indent=1))
     except OSError as e:
         log.warning("memory index: could not cache the auto-index choice in %s (%s)", cache_file(), e)
-    structure = {k: v for k, v in choice.items() if k in STRUCTURE}
-    return choice["kind"], structure, (f"measured now: of {len(measured['settings'])} settings on "
-                                       f"{measured['keys']:,} sampled keys, the fastest within {SLACK} of the "
-                                       f"best recall")
 
 
 def default_make_on(spec: IndexSpec) -> Callable[[np.ndarray], Make]:

@@ -240,6 +240,8 @@ class _Built:
     tuned: dict[str, int] = field(default_factory=dict)
     note: str = ""
     caught: int = 0  # rows of the owner below this (added after the snapshot) are indexed here
+    dropped: int = 0  # the job's removals before this are applied: their rows are in ``killed``
+    killed: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -344,8 +346,10 @@ class KeyIndex:
     def _remember(self, q: np.ndarray) -> None:
         """Keep the last ``QUERIES_KEPT`` queries (a ring): ``auto`` tunes on what is asked."""
         q = q[-QUERIES_KEPT:]
-        at = np.arange(self._asked, self._asked + len(q)) % QUERIES_KEPT
-        self._queries[at] = q
+        start = self._asked % QUERIES_KEPT
+        first = min(len(q), QUERIES_KEPT - start)  # up to the end of the ring, then from its start
+        self._queries[start:start + first] = q[:first]
+        self._queries[: len(q) - first] = q[first:]
         self._asked += len(q)
 
     def recent_queries(self) -> np.ndarray:
@@ -486,7 +490,7 @@ class KeyIndex:
                 faiss.omp_set_num_threads(1)
                 idle_priority()
                 built = self._build(*args)
-                self._catch_up(built, job.snap_n)
+                self._catch_up(built, job)
                 job.built = built
             except BaseException as e:  # handed to the main thread by _poll
                 job.error = e
@@ -563,11 +567,9 @@ class KeyIndex:
         live[: b.m] = True
         live[b.m:total] = self._live[job.snap_n:self._n]
         dead = int(t - live[b.m:total].sum())
-        for i in job.removed:  # snapshot rows removed while the build ran
-            row = b.row.pop(i, None)
-            if row is not None:
-                live[row] = False
-                dead += 1
+        self._drop_removed(b, job)  # what the build thread has not dropped yet
+        live[np.asarray(b.killed, dtype=np.int64)] = False
+        dead += len(b.killed)
         tail_live = np.flatnonzero(live[b.m:total]) + b.m
         b.row.update(zip(b.rid[tail_live].tolist(), tail_live.tolist()))
         if b.kind != self.active:
@@ -598,11 +600,25 @@ class KeyIndex:
         b.index.add(b.buf[lo:hi])
         b.caught = end
 
-    def _catch_up(self, b: _Built, snap_n: int) -> None:
-        """In the build thread: index the rows added while it built, until few are left, so
-        the swap on the caller's thread replays only a handful (O(1), not O(build time))."""
+    @staticmethod
+    def _drop_removed(b: _Built, job: _Job) -> None:
+        """Take the snapshot's rows of the ids removed since the snapshot out of ``b`` (into
+        ``b.killed``), from where the last call stopped."""
+        end = len(job.removed)  # the list only grows (in the caller's thread)
+        for i in job.removed[b.dropped:end]:
+            row = b.row.pop(i, None)
+            if row is not None:
+                b.killed.append(row)
+        b.dropped = end
+
+    def _catch_up(self, b: _Built, job: _Job) -> None:
+        """In the build thread: index the rows added while it built and drop the removed ones,
+        until few are left, so that the swap on the caller's thread replays only a handful
+        (O(1), not O(build time))."""
+        snap_n = job.snap_n
         b.caught = snap_n
         while True:
+            self._drop_removed(b, job)
             end = self._n  # read before the buffer: every row below it is in that buffer
             if end - b.caught <= CATCH_UP_LEFT:
                 return

@@ -68,23 +68,22 @@ def retrieval_logprob(adapter: QueryAdapter | None, retrievals: Sequence[Retriev
     b, d = len(retrievals), len(retrievals[0].query)
     n = max(len(r.keys) for r in retrievals)
     k = max(len(r.chosen) for r in retrievals)
-    keys = torch.zeros(b, n, d, dtype=dtype)  # [B, N, D]
+    keys = np.zeros((b, n, d), dtype=np.float32)  # [B, N, D]
     key_mask = torch.zeros(b, n, dtype=torch.bool)  # [B, N]
     chosen = torch.zeros(b, k, dtype=torch.long)  # [B, K]
     chosen_mask = torch.zeros(b, k, dtype=torch.bool)  # [B, K]
     for i, r in enumerate(retrievals):
-        if len(r.query) != d or (r.keys and len(r.keys[0]) != d):
+        if len(r.query) != d or (len(r.keys) and r.keys.shape[1] != d):
             raise ValueError(f"retrieval {i} has dim {len(r.query)}, others {d}")
         if len(set(r.chosen)) != len(r.chosen) or any(not 0 <= c < len(r.keys) for c in r.chosen):
             raise ValueError(f"retrieval {i} has invalid chosen {r.chosen} for {len(r.keys)} candidates")
-        if r.keys:
-            keys[i, : len(r.keys)] = torch.tensor(r.keys, dtype=dtype)
-            key_mask[i, : len(r.keys)] = True
+        keys[i, : len(r.keys)] = r.keys
+        key_mask[i, : len(r.keys)] = True
         chosen[i, : len(r.chosen)] = torch.tensor(r.chosen, dtype=torch.long)
         chosen_mask[i, : len(r.chosen)] = True
-    queries = torch.tensor([r.query for r in retrievals], dtype=dtype)  # [B, D]
+    queries = torch.from_numpy(np.stack([r.query for r in retrievals])).to(dtype)  # [B, D]
     temps = torch.tensor([r.temperature for r in retrievals], dtype=dtype)  # [B]
-    return _logprob(adapter, queries, keys, key_mask, chosen, chosen_mask, temps)
+    return _logprob(adapter, queries, torch.from_numpy(keys).to(dtype), key_mask, chosen, chosen_mask, temps)
 
 
 def _logprob(adapter: QueryAdapter | None, queries: torch.Tensor, keys: torch.Tensor, key_mask: torch.Tensor,
@@ -120,8 +119,8 @@ def contrastive_loss(adapter: QueryAdapter, retrievals: Sequence[Retrieval], pos
     param = next(adapter.parameters())
     losses = []
     for r, p in zip(retrievals, positives.to(param)):
-        q = adapter(torch.tensor([r.query], dtype=param.dtype, device=param.device))[0]  # [D]
-        keys = torch.tensor(r.keys, dtype=param.dtype, device=param.device).reshape(-1, len(r.query))  # [N, D]
+        q = adapter(torch.from_numpy(r.query)[None].to(param))[0]  # [D]
+        keys = torch.from_numpy(r.keys).to(param)  # [N, D]
         negatives = keys[keys @ p < same_above]  # [N', D]
         logits = torch.cat([(q @ p)[None], negatives @ q]) / temperature  # [1 + N']
         losses.append(torch.logsumexp(logits, 0) - logits[0])
@@ -161,7 +160,7 @@ def sample_retrievals(
     if len(bank) == 0 or num == 0:
         return [([], None) for _ in range(num)]
     if isinstance(queries, np.ndarray):
-        frozen = np.ascontiguousarray(queries, dtype=np.float32)  # [B, D]
+        frozen = np.array(queries, dtype=np.float32, order="C")  # [B, D], a copy: retrievals keep rows of it
     else:
         if any(not isinstance(q, str) for q in queries):
             raise TypeError("queries must be a list of strings or an array [B, D] of embeddings")
@@ -184,8 +183,8 @@ def sample_retrievals(
         chosen = torch.cat(draws, dim=1)  # [B, k]
     retrievals = [
         Retrieval(
-            query=frozen[b].tolist(),
-            keys=keys[b].tolist(),
+            query=frozen[b],
+            keys=keys[b],
             entry_ids=ids[b].tolist(),
             chosen=chosen[b].tolist(),
             old_logprob=0.0,

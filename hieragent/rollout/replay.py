@@ -100,8 +100,7 @@ class ReplayBuffer:
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"batches": [dataclasses.asdict(b) for b in self._batches],
-                "dropped_turns": self.dropped_turns}
+        return {"batches": [_plain(b) for b in self._batches], "dropped_turns": self.dropped_turns}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._batches = deque(_batch_from_dict(b) for b in state["batches"])
@@ -111,6 +110,16 @@ class ReplayBuffer:
 def staleness(turns: list[Turn], version: int) -> list[int]:
     """Optimizer steps between the weights that produced each turn and ``version``."""
     return [version - t.policy_version for t in turns]
+
+
+def _plain(batch: Batch) -> dict[str, Any]:
+    """``batch`` as dicts and lists (retrieval vectors too): what a checkpoint stores."""
+    out = dataclasses.asdict(batch)
+    for tr, trajectory in zip(out["trajectories"], batch.trajectories):
+        for t, turn in zip(tr["turns"], trajectory.turns):
+            if turn.retrieval is not None:
+                t["retrieval"] = turn.retrieval.plain()
+    return out
 
 
 def _batch_from_dict(data: dict[str, Any]) -> Batch:

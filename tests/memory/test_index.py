@@ -166,6 +166,7 @@ def test_auto_is_exact_below_its_threshold_then_measures_caches_and_reuses_its_c
     remeasured = KeyIndex(D, spec)
     remeasured.add(np.arange(2000), keys[:2000])
     assert "measured now" in remeasured.auto_note and remeasured.tuned.get("fastscan_m") != 4
+    assert "ivf_fastscan {'fastscan_m': 4} missed" in remeasured.auto_note  # the note says what was tried
     assert json.loads((tmp_path / "index_auto.json").read_text())[autotune.machine_key(D, spec)]["choice"] != bad
     assert self_recall(remeasured, rng) >= autotune.RECALL - 0.03
     # an unreadable cache is reported and measured again, never trusted

@@ -1,8 +1,10 @@
 """The replay buffer: staleness limits, counting what it drops, and checkpoint round trips."""
 
 import copy
+import json
 import random
 
+import numpy as np
 import pytest
 
 from hieragent.rollout.replay import ReplayBuffer, ReplaySettings, staleness
@@ -61,10 +63,15 @@ def test_state_dict_round_trip_restores_every_turn_field():
         buf.add(batch(v, 3, rng))
     buf.dropped_turns = 5
     other = ReplayBuffer(max_staleness=4)
-    other.load_state_dict(buf.state_dict())
-    assert other.retained(2) == buf.retained(2)  # dataclass equality, retrievals included
+    state = json.loads(json.dumps(buf.state_dict()))  # plain lists and numbers: what a checkpoint holds
+    other.load_state_dict(state)
+    assert other.retained(2) == buf.retained(2)  # dataclass equality, retrieval vectors included
     assert other.dropped_turns == 5
-    assert isinstance(other.retained(2)[0].trajectories[0].turns[0].retrieval, Retrieval)
+    restored = other.retained(2)[0].trajectories[0].turns[0].retrieval
+    assert isinstance(restored, Retrieval) and restored.keys.dtype == np.float32 and restored.keys.ndim == 2
+    changed = buf.retained(2)[0].trajectories[0].turns[0].retrieval
+    changed.keys[0, 0] += 1.0
+    assert other.retained(2) != buf.retained(2)  # and equality sees a changed key
 
 
 @pytest.mark.parametrize("key,value", [("updates_per_batch", 0), ("max_batches", 0),

@@ -47,6 +47,11 @@ def test_upkeep_keeps_a_full_bank_full_and_a_background_retrain_never_stops_the_
     assert inline.during == 1 and math.isfinite(inline.rebuild_s) and math.isfinite(behind.rebuild_s)
     # the retrain started after 4 updates of adds, steps went on until it was swapped in, then it was over
     assert behind.rebuilding.index(True) == 3 and behind.during >= 2 and not behind.rebuilding[-1]
+    assert "(met: <= 2x)" in bank_upkeep.verdicts([], [behind])[0] or "(not met" in bank_upkeep.verdicts([], [behind])[0]
+    # capped before its rebuild was swapped in (here: before it began), a run cannot vouch for the swap step
+    capped = bank_upkeep.stall(state, draw, background=True, seed=5, spec=spec, step_ms=5.0, max_steps=3)
+    assert len(capped.steps) == 3 and math.isnan(capped.rebuild_s)
+    assert "not shown: the rebuild had not finished after 3 steps" in bank_upkeep.verdicts([], [capped])[0]
 
 
 def test_mission_texts_are_distinct_and_seeded():

@@ -51,8 +51,8 @@ import faiss
 import numpy as np
 
 from hieragent.io import atomic_write_text, cache_dir
-from hieragent.memory.index import (IVF_KINDS, QUERIES_KEPT, STRUCTURE, IndexSpec, auto_nlist, empty_index, search_params,
-                                    search_rows, train_sample)
+from hieragent.memory.index import (IVF_KINDS, QUERIES_KEPT, STRUCTURE, IndexSpec, auto_nlist, search_params,
+                                    search_rows, trained_index)
 
 log = logging.getLogger(__name__)
 
@@ -319,11 +319,10 @@ def default_make_on(spec: IndexSpec) -> Callable[[np.ndarray], Make]:
     """Index builders over a sample, as the bank builds them (IVF: ``auto_nlist`` of its size)."""
     def make_on(x: np.ndarray) -> Make:
         def make(kind: str, structure: dict[str, int]) -> faiss.Index | None:
-            index = empty_index(kind, x.shape[1], spec, spec.nlist or auto_nlist(len(x)), structure)
-            if kind in IVF_KINDS:
-                if len(x) < index.nlist * (16 if kind == "ivf_fastscan" else 1):
-                    return None
-                index.train(train_sample(x, np.arange(len(x)), index.nlist))
+            lists = spec.nlist or auto_nlist(len(x))
+            if kind in IVF_KINDS and len(x) < lists * (16 if kind == "ivf_fastscan" else 1):
+                return None  # too few keys to train
+            index = trained_index(kind, x, spec, structure)
             index.add(x)
             return index
 

@@ -166,6 +166,15 @@ def empty_index(kind: str, dim: int, spec: IndexSpec, nlist: int, tuned: dict[st
     return index  # faiss's Python wrapper keeps the quantizer alive with the index
 
 
+def trained_index(kind: str, keys: np.ndarray, spec: IndexSpec, tuned: dict[str, int] | None = None) -> faiss.Index:
+    """An empty index of ``kind`` for ``keys``: IVF kinds with ``spec.nlist`` (else about
+    ``4 * sqrt(len(keys))``) lists trained on a sample of them."""
+    index = empty_index(kind, keys.shape[1], spec, spec.nlist or auto_nlist(len(keys)), tuned)
+    if kind in IVF_KINDS:
+        index.train(train_sample(keys, np.arange(len(keys)), index.nlist))
+    return index
+
+
 def fastscan_m(spec: IndexSpec, dim: int) -> int:
     return spec.fastscan_m or max(dim // 8, 1)
 
@@ -518,9 +527,8 @@ class KeyIndex:
         def make(kind: str, tuned: dict[str, int]) -> faiss.Index:
             """A new index of ``kind`` over ``keys``, trained on them where it is IVF."""
             nonlocal template, trained_at
-            index = empty_index(kind, self.dim, self.spec, self._nlist(m), tuned)
+            index = trained_index(kind, keys, self.spec, tuned)
             if kind in IVF_KINDS:
-                index.train(train_sample(new_buf, np.arange(m), index.nlist))
                 trained_at, template = m, faiss.clone_index(index)
             for s in range(0, m, 8 * CHUNK):  # FAISS releases the GIL: larger slices
                 index.add(keys[s:min(s + 8 * CHUNK, m)])
@@ -630,9 +638,6 @@ class KeyIndex:
 
     def _needs_retrain(self) -> bool:
         return self.active in IVF_KINDS and len(self) >= self.spec.retrain_growth * max(self.trained_at, 1)
-
-    def _nlist(self, n: int) -> int:
-        return self.spec.nlist or auto_nlist(n)
 
     # ---- persistence ---------------------------------------------------------------------
     def state(self) -> dict:

@@ -136,6 +136,9 @@ class Stall:
     steps: list[float]
     rebuilding: list[bool]  # per step: a rebuild ran during it
     rebuild_s: float
+    cpu_s: float = float("nan")  # CPU seconds of the background build's thread
+    swap_ms: float = float("nan")  # the caller's share of the swap, inside one step
+    swap_step_ms: float = float("nan")  # the step that swapped the new index in
 
     @property
     def during(self) -> int:
@@ -155,7 +158,7 @@ def stall(state: dict, draw: Callable[[int], np.ndarray], background: bool, seed
           spec: IndexSpec | None = None, settle: int = 3, step_ms: float = STEP_MS,
           max_steps: int = 20_000) -> Stall:
     """Training steps across one retrain of the index of the bank saved in ``state`` (at most
-    ``max_steps``: an idle-priority rebuild beside a busy step can take many)."""
+    ``max_steps``: a low-priority rebuild beside a busy step can take many)."""
     n = len(state["ids"])
     base = spec or IndexSpec()
     # retrain once the bank has grown by ~4 updates of adds; the capacity leaves it room to grow
@@ -193,7 +196,10 @@ def stall(state: dict, draw: Callable[[int], np.ndarray], background: bool, seed
             ended = t1
         after += ended is not None
     rebuild_s = (ended - started) if started is not None and ended is not None else float("nan")
-    return Stall("background" if background else "inline (in add)", n, times, rebuilding, rebuild_s)
+    cpu_s = index.last_build[1] if background and index.last_build is not None else float("nan")
+    swap_step = times[rebuilding.index(True) + sum(rebuilding) - 1] if any(rebuilding) else float("nan")
+    return Stall("background" if background else "inline (in add)", n, times, rebuilding, rebuild_s, cpu_s,
+                 1e3 * index.last_swap_s, swap_step)
 
 
 def upkeep_table(rows: list[tuple[int, str, Update, float]], goal_ms: float = 50.0) -> Table:
@@ -215,12 +221,15 @@ def upkeep_table(rows: list[tuple[int, str, Update, float]], goal_ms: float = 50
 def stall_table(rows: list[Stall]) -> Table:
     table = Table(title="training step across an index retrain (a fixed CPU step + one bank update)")
     for col in ("n", "retrain", "steps", "median step ms (no rebuild)", "median step ms (rebuilding)",
-                "longest step ms", "longest / median", "rebuild s", "steps during rebuild"):
+                "longest step ms", "longest / median", "longest before the swap ms", "swap step ms (swap)",
+                "rebuild s", "its CPU s", "steps during rebuild"):
         table.add_column(col, justify="left" if col == "retrain" else "right")
     for r in rows:
         busy = [t for t, b in zip(r.steps, r.rebuilding) if b]
         table.add_row(f"{r.n:,}", r.mode, str(len(r.steps)), f"{r.median:.0f}", f"{statistics.median(busy):.0f}",
-                      f"{max(r.steps):.0f}", f"{r.ratio:.1f}x", f"{r.rebuild_s:.1f}", str(r.during))
+                      f"{max(r.steps):.0f}", f"{r.ratio:.1f}x", f"{max(busy[:-1], default=math.nan):.0f}",
+                      f"{r.swap_step_ms:.0f} ({r.swap_ms:.0f})", f"{r.rebuild_s:.1f}",
+                      "-" if math.isnan(r.cpu_s) else f"{r.cpu_s:.1f}", str(r.during))
     return table
 
 

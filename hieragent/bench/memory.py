@@ -430,6 +430,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--stall-size", type=int, default=None,
                    help="bank size of the retrain-stall measurement (default: the largest size; 0: skip)")
     p.add_argument("--no-upkeep", action="store_true", help="skip the upkeep and stall tables")
+    p.add_argument("--no-search", action="store_true",
+                   help="skip the search rows: only the upkeep and stall tables (the bank at each size chooses its "
+                        "index afresh)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, no encoder (for the test)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -440,12 +443,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
     quick_stall = {"spec": IndexSpec(kind="ivf_flat", nlist=16), "step_ms": 20.0} if a.quick else {}
     jobs = [("clustered", n) for n in a.sizes] + [("minilm", n) for n in a.minilm_sizes]
     jobs += [("uniform", a.uniform_size)] if a.uniform_size else []
+    if a.no_search:
+        if a.no_upkeep:
+            p.error("--no-search with --no-upkeep leaves nothing to measure")
+        jobs = []
     rows: list[Row] = []
     notes: list[str] = []
     blas = (", ".join(f"{i['internal_api']} {i['num_threads']}" for i in threadpool_info())
             if threadpool_info is not None else "unknown (no threadpoolctl)")
     # the FAISS diagnosis runs on the largest clustered size up to 100k (seconds, not minutes)
-    diag_n = max([n for n in a.sizes if n <= 100_000] or [min(a.sizes)])
+    diag_n = max([n for n in a.sizes if n <= 100_000] or [min(a.sizes)]) if jobs else None
     diag = None
     upkeep: list[tuple[int, str, bank_upkeep.Update, float]] = []
     stalls: list[bank_upkeep.Stall] = []
@@ -498,16 +505,17 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 os.environ.pop("HIERAGENT_CACHE", None)
             else:
                 os.environ["HIERAGENT_CACHE"] = cache
-    console.print(results_table(rows, f"bench-memory: d={DIM}, k={K}, seed {a.seed}; faiss {faiss.__version__} "
-                                      f"(OMP threads {faiss.omp_get_max_threads()}, blas threshold "
-                                      f"{faiss.cvar.distance_compute_blas_threshold}); thread pools: {blas}"))
+    if rows:
+        console.print(results_table(rows, f"bench-memory: d={DIM}, k={K}, seed {a.seed}; faiss {faiss.__version__} "
+                                          f"(OMP threads {faiss.omp_get_max_threads()}, blas threshold "
+                                          f"{faiss.cvar.distance_compute_blas_threshold}); thread pools: {blas}"))
     if diag is not None:
         console.print(diag)
     if upkeep:
         console.print(bank_upkeep.upkeep_table(upkeep))
     if stalls:
         console.print(bank_upkeep.stall_table(stalls))
-    for line in [machine, *notes, finding(rows), *goal(rows), *bank_upkeep.verdicts(upkeep, stalls),
+    for line in [machine, *notes, *([finding(rows)] if rows else []), *goal(rows), *bank_upkeep.verdicts(upkeep, stalls),
                  f"total {time.perf_counter() - started:.0f} s"]:
         print(line)
     return rows

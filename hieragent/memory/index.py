@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -84,6 +85,10 @@ class IndexSpec:
         auto_threshold: Size at which ``auto`` leaves exact search for its measured choice.
         compact_fraction: Rebuild over the live rows once removed rows pass this share.
         background_from: Rebuilds over at least this many rows run in a background thread.
+        build_nice: Niceness of that thread (Linux sets it per thread): 0 shares the cores
+            equally with the training step, 19 yields the most. Not Linux's idle class: under
+            a training loop that keeps every core busy (or env workers beside it), a build in
+            that class never finishes.
     """
 
     kind: str = "auto"
@@ -99,6 +104,7 @@ class IndexSpec:
     auto_threshold: int = 50_000
     compact_fraction: float = 0.25
     background_from: int = 20_000
+    build_nice: int = 10
 
     def __post_init__(self) -> None:
         if self.kind not in INDEX_KINDS:
@@ -113,6 +119,8 @@ class IndexSpec:
             raise ValueError(f"memory.index.retrain_growth must be > 1, got {self.retrain_growth}")
         if not 0 < self.compact_fraction < 1:
             raise ValueError(f"memory.index.compact_fraction must be in (0, 1), got {self.compact_fraction}")
+        if not 0 <= self.build_nice <= 19:
+            raise ValueError(f"memory.index.build_nice must be in [0, 19] (a niceness), got {self.build_nice}")
 
 
 @contextlib.contextmanager
@@ -130,16 +138,11 @@ def blas_search(batch: int) -> Iterator[None]:
             faiss.cvar.distance_compute_blas_threshold = old
 
 
-def idle_priority() -> None:
-    """Run the calling thread only when a core would otherwise idle (Linux ``SCHED_IDLE``, set
-    per thread; elsewhere the lowest niceness, or nothing). Lowering one's own priority needs
-    no privilege. A background build then takes longer but never slows the training step."""
-    tid = threading.get_native_id()
+def lower_priority(nice: int) -> None:
+    """Give the calling thread niceness ``nice`` (Linux sets it per thread id; elsewhere it
+    may apply to the process, or not at all). Lowering one's own priority needs no privilege."""
     with contextlib.suppress(OSError, AttributeError):
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, tid, 19)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 def auto_nlist(n: int) -> int:
@@ -261,6 +264,8 @@ class _Job:
     thread: threading.Thread | None = None
     built: _Built | None = None
     error: BaseException | None = None
+    started: float = field(default_factory=time.perf_counter)
+    cpu_s: float = float("nan")  # CPU seconds of the background build thread
 
 
 class KeyIndex:
@@ -293,6 +298,8 @@ class KeyIndex:
         self.active = "flat"
         self.trained_at = 0
         self.hold_swaps = False  # across processes: a finished background build waits for wait()
+        self.last_build: tuple[float, float] | None = None  # the last background build: (wall s, its CPU s)
+        self.last_swap_s = float("nan")  # seconds the caller's thread spent in the last swap
         self.ops: Counter[str] = Counter()
         self._faiss: faiss.Index = faiss.IndexFlatIP(dim)
         self._queries = np.zeros((QUERIES_KEPT, dim), dtype=np.float32)
@@ -495,11 +502,13 @@ class KeyIndex:
         def run() -> None:
             try:
                 # one OpenMP thread for this thread's FAISS calls (the setting is per thread), at a
-                # lower priority (Linux sets it per thread), so the training step keeps the cores
+                # lower priority (``spec.build_nice``), so the training step keeps most of the cores
                 faiss.omp_set_num_threads(1)
-                idle_priority()
+                lower_priority(self.spec.build_nice)
+                cpu = time.thread_time()
                 built = self._build(*args)
                 self._catch_up(built, job)
+                job.cpu_s = time.thread_time() - cpu
                 job.built = built
             except BaseException as e:  # handed to the main thread by _poll
                 job.error = e
@@ -561,6 +570,7 @@ class KeyIndex:
         if self.hold_swaps and job.thread is not None and not force:
             return
         self._job = None
+        swap_started = time.perf_counter()
         if job.error is not None:
             raise RuntimeError(f"memory index: building {job.kind} failed ({job.error!r}); "
                                f"the {self.active} index over every key is still in use") from job.error
@@ -583,6 +593,10 @@ class KeyIndex:
         if b.kind != self.active:
             log.info("memory index: %s -> %s over %d keys%s", self.active, b.kind, len(b.row),
                      f" ({b.note})" if b.note else "")
+        if job.thread is not None:
+            self.last_build = (time.perf_counter() - job.started, job.cpu_s)
+            log.info("memory index: the background build of %s swapped in after %.1f s (%.1f s of CPU in its "
+                     "thread)", b.kind, *self.last_build)
         if self.spec.kind == "auto" and b.kind != "flat":
             self.auto_kind, self.tuned, self.auto_note = b.kind, b.tuned, b.note or self.auto_note
         self._buf, self._rid, self._live, self._n, self._dead, self._row = b.buf, b.rid, live, total, dead, b.row
@@ -591,6 +605,7 @@ class KeyIndex:
         self._faiss, self.active, self._template, self.trained_at = b.index, b.kind, b.template, b.trained_at
         self.ops["rows_rebuilt"] += total
         self.ops["rebuilds"] += 1
+        self.last_swap_s = time.perf_counter() - swap_started  # the old index's release included
 
     def _copy_tail(self, b: _Built, snap_n: int, start: int, end: int) -> None:
         """Copy rows ``[start, end)`` of this index (added after the snapshot at ``snap_n``) into

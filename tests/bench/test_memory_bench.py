@@ -45,6 +45,7 @@ def test_upkeep_keeps_a_full_bank_full_and_a_background_retrain_never_stops_the_
     inline = bank_upkeep.stall(state, draw, background=False, seed=5, spec=spec, step_ms=5.0)
     behind = bank_upkeep.stall(state, draw, background=True, seed=5, spec=spec, step_ms=5.0)
     assert inline.during == 1 and math.isfinite(inline.rebuild_s) and math.isfinite(behind.rebuild_s)
+    assert math.isnan(inline.cpu_s) and behind.cpu_s > 0  # the background build's own thread did the work
     # the retrain started after 4 updates of adds, steps went on until it was swapped in, then it was over
     assert behind.rebuilding.index(True) == 3 and behind.during >= 2 and not behind.rebuilding[-1]
     assert "(met: <= 2x)" in bank_upkeep.verdicts([], [behind])[0] or "(not met" in bank_upkeep.verdicts([], [behind])[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import faiss
@@ -227,6 +228,8 @@ def test_duplicate_ids_are_refused_and_a_bad_spec_names_its_key():
         IndexSpec(kind="lsh")
     with pytest.raises(ValueError, match="memory.index.nprobe"):
         IndexSpec(nprobe=0)
+    with pytest.raises(ValueError, match=r"memory.index.build_nice must be in \[0, 19\]"):
+        IndexSpec(build_nice=20)
     with pytest.raises(ValueError, match="pq_m=7 must divide the key dimension 32"):
         KeyIndex(D, IndexSpec(kind="ivf_pq", pq_m=7))
 
@@ -364,15 +367,19 @@ def test_a_background_retrain_serves_every_search_and_loses_no_entry(data, monke
     keys, ids, q = data
     gate, started = threading.Event(), threading.Event()
     build = KeyIndex._build
+    nice = []
 
     def held(self, *args):  # the real build, held until the test has worked beside it
+        nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         started.set()
         gate.wait(30)
         return build(self, *args)
 
     monkeypatch.setattr(KeyIndex, "_build", held)
-    spec = IndexSpec(kind="ivf_flat", nlist=16, train_per_list=39, retrain_growth=2.0, background_from=0)
+    spec = IndexSpec(kind="ivf_flat", nlist=16, train_per_list=39, retrain_growth=2.0, background_from=0,
+                     build_nice=19)
     index = KeyIndex(D, spec)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     index.add(ids[:700], keys[:700])  # 16 lists x 39 keys: training starts
     assert index.active == "flat" and started.wait(10) and index.building == "ivf_flat"
     # while the quantizer trains: the old index answers, and adds and removals go on
@@ -390,6 +397,10 @@ def test_a_background_retrain_serves_every_search_and_loses_no_entry(data, monke
     gate.set()
     index.wait()
     assert index.active == "ivf_flat" and index.building is None and index.trained_at == 700
+    # the build ran in its own thread at build_nice (Linux sets niceness per thread); ours is unchanged
+    assert nice == [19] and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    wall, cpu = index.last_build
+    assert 0 < cpu and wall > 0
     assert set(index.ids().tolist()) == set(live) and len(index) == len(live)
     assert index.reconstruct(ids[200:201]).tobytes() == keys[4000:4001].tobytes()
     found, scores = index.search(q, 10)

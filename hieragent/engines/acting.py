@@ -51,7 +51,8 @@ def act(engine: Engine, policy, prompts: list[list[int]], options: list[list[str
     if policy.mode == "score":
         if any(not opts for opts in options):
             raise ValueError(f"{policy.role}: score mode needs at least one candidate per prompt; "
-                             "the env offered none")
+                             f"the env offered none (an env that lists no moves, e.g. TextArena's Sudoku, "
+                             f"needs model.{policy.role}_mode: generate)")
         cand_ids = [[policy.candidate_ids(o) for o in opts] for opts in options]
         per_token = engine.score(requests, cand_ids)
         logps = candidate_softmax([t for row in per_token for t in row], [len(c) for c in cand_ids],

@@ -52,6 +52,12 @@ FAMILIES = {
     "FrozenLake-": Family("hieragent.envs.frozenlake:FrozenLakeTextEnv", "hieragent.envs.frozenlake",
                           "planner-search"),
     "Sokoban-": Family("hieragent.envs.sokoban:SokobanTextEnv", "hieragent.envs.sokoban", "planner-search"),
+    "ScienceWorld-": Family("hieragent.envs.scienceworld:ScienceWorldEnv", "hieragent.envs.scienceworld_gold",
+                            "scienceworld-gold"),
+    "Crafter-": Family("hieragent.envs.crafter:CrafterTextEnv", "hieragent.envs.crafter_scripted",
+                        "crafter-scripted"),
+    "TextArena-": Family("hieragent.envs.textarena:TextArenaEnv", "hieragent.envs.textarena_solvers",
+                         "textarena-solver"),
 }
 # Shown first when a name is unknown: the levels hieragent's configs use.
 _FEATURED = ("BabyAI-GoToLocal-v0", "BabyAI-GoToRedBallNoDists-v0", "BabyAI-GoToObj-v0")

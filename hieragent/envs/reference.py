@@ -3,8 +3,12 @@
     python -m hieragent.envs.reference --seeds 20          (make expert-table)
 
 Each family's expert plays held-out seeds (``EVAL_SEED_OFFSET`` on, as evaluation does):
-minigrid's BabyAI bot, TextWorld's walkthrough, and shortest-path search for FrozenLake
-and Sokoban. Prints success rate and mean length per level.
+minigrid's BabyAI bot, TextWorld's walkthrough, shortest-path search for FrozenLake
+and Sokoban, ScienceWorld's gold action sequences (on the first test variations), and
+search or constraint solvers for TextArena's puzzles. Crafter has no expert: its row is a
+scripted baseline (``hieragent.envs.crafter_scripted``), whose success is the env's default
+``success_achievement`` (a wood pickaxe) within 500 steps. Prints success rate and mean
+length per level, and which reference played it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ LEVELS = [
     "BabyAI-GoToLocal-v0", "BabyAI-PickupLoc-v0", "BabyAI-OpenDoor-v0", "BabyAI-UnlockLocal-v0",
     "BabyAI-PutNextLocal-v0", "BabyAI-GoTo-v0", "TextWorld-Easy-v0", "TextWorld-Medium-v0",
     "FrozenLake-4x4-v0", "FrozenLake-8x8-v0", "Sokoban-6x6-1box-v0", "Sokoban-7x7-2box-v0",
+    "ScienceWorld-find-plant-v0", "ScienceWorld-boil-v0", "ScienceWorld-test-conductivity-v0",
+    "ScienceWorld-chemistry-mix-paint-secondary-color-v0", "Crafter-v0",
+    "TextArena-TowerOfHanoi-v0", "TextArena-TowerOfHanoi-v0-medium", "TextArena-FifteenPuzzle-v0",
+    "TextArena-Sudoku-v0-very-easy", "TextArena-Sudoku-v0",
 ]
 
 
@@ -44,14 +52,14 @@ def main(argv: list[str] | None = None) -> None:
                 outcomes.append(expert_episode(level, seed))
                 progress.advance(task)
             wins = [n for ok, n in outcomes if ok]
-            rows.append((level, sum(ok for ok, _ in outcomes) / len(outcomes),
+            rows.append((level, family(level).source, sum(ok for ok, _ in outcomes) / len(outcomes),
                          statistics.fmean(wins) if wins else float("nan")))
     table = Table(title=f"expert success, {a.seeds} held-out seeds per level")
-    for col in ("level", "success rate", "mean length (successes)"):
-        table.add_column(col, justify="left" if col == "level" else "right")
-    for level, rate, length in rows:
-        table.add_row(level, f"{rate:.2f}", f"{length:.1f}")
-    Console(width=100).print(table)
+    for col in ("level", "reference", "success rate", "mean length (successes)"):
+        table.add_column(col, justify="left" if col in ("level", "reference") else "right")
+    for level, source, rate, length in rows:
+        table.add_row(level, source, f"{rate:.2f}", f"{length:.1f}")
+    Console(width=120).print(table)
 
 
 if __name__ == "__main__":

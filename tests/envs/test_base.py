@@ -8,7 +8,9 @@ import pytest
 from hieragent.envs.base import FAMILIES, TextEnv, env_class, family, load, make_env
 
 FIRST = {"BabyAI-": "BabyAI-GoToLocal-v0", "TextWorld-": "TextWorld-Easy-v0",
-         "FrozenLake-": "FrozenLake-4x4-v0", "Sokoban-": "Sokoban-6x6-1box-v0"}
+         "FrozenLake-": "FrozenLake-4x4-v0", "Sokoban-": "Sokoban-6x6-1box-v0",
+         "ScienceWorld-": "ScienceWorld-find-plant-v0", "Crafter-": "Crafter-v0",
+         "TextArena-": "TextArena-TowerOfHanoi-v0"}
 
 
 def test_every_family_names_a_text_env_with_a_world_and_an_expert() -> None:

@@ -47,3 +47,13 @@ def test_one_training_step_of_the_tiny_model_on_each_new_family(env, mode, tmp_p
 def test_an_env_with_no_move_list_in_score_mode_says_to_generate(tmp_path):
     with pytest.raises(ValueError, match="the env offered none .*model.executor_mode: generate"):
         fit("TextArena-Sudoku-v0-very-easy", tmp_path)
+
+
+def test_the_cli_fits_a_new_family_by_name(tmp_path):
+    from cli_helpers import make_workspace, run_cli
+
+    work = make_workspace(tmp_path)
+    out = run_cli(["fit", "--config", "configs/tiny.yaml", "--trainer.max_steps", "1",
+                   "--data.env", "TextArena-TowerOfHanoi-v0", "--data.test_envs", "[TextArena-TowerOfHanoi-v0]"], work)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert next(work.glob("lightning_logs/**/metrics.csv"), None) is not None

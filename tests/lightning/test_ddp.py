@@ -86,7 +86,11 @@ def test_two_ranks_take_exactly_the_step_one_process_takes_on_the_same_episodes(
     assert r0["grads"].keys() == single["grads"].keys() and len(r0["grads"]) > 0
     for name, g in r0["grads"].items():
         assert torch.equal(g, r1["grads"][name]), name
-        torch.testing.assert_close(g, single["grads"][name], rtol=1e-5, atol=1e-8, msg=name)
+        # to rounding at the tensor's scale: elements near zero differ by more than 1e-5 of
+        # themselves where the kernels sum in another order by batch shape (seen on an AMX Xeon:
+        # 4.5e-8 on gradients of 0.08), while a wrong scale or a missing rank's share is far above it
+        scale = single["grads"][name].abs().max().item()
+        torch.testing.assert_close(g, single["grads"][name], rtol=1e-5, atol=1e-5 * scale, msg=name)
     init = torch.load(last_checkpoint(two), weights_only=False)["state_dict"]
     moved = 0.0
     for name, p in r0["params"].items():

@@ -11,11 +11,13 @@ Query and entry vectors are given, so the encoder (MiniLM, about 4 ms a text her
 any bank size) is not in these figures.
 
 **Stall.** A bank of ``n`` entries whose index is about to retrain (or, for a graph index,
-to compact), and a loop of training
-steps: each a fixed CPU workload (a torch matmul loop of about ``STEP_MS``) and one bank
-update as above. With ``background_from`` above the bank size the retrain runs inside
-``add`` (the old behaviour); below it in a background thread while the old index serves.
-Reported: the median and the longest step, and how long the rebuild took.
+to compact), and a loop of training steps: each a fixed CPU workload (a torch matmul loop of
+about ``STEP_MS`` on every core, as a CPU training step is) and one bank update as above.
+Three ways to rebuild (``MODES``): ``inline``, inside ``add`` (``background_from`` above the
+bank size: the old behaviour); ``thread``, in a background thread at ``build_nice`` while the
+old index serves (``build_loan`` 0); ``lent``, in a stopped child process that runs only on the
+update's loans (``build_loan``, the default). Reported: the median and the longest step, the
+swap step, and how long the rebuild took.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +44,7 @@ TURNS = 128  # planner turns per rollout batch (32 episodes of about 4 planner t
 EPISODES = 32
 UPDATES = 20
 STEP_MS = 150.0
+MODES = {"inline": "inline (in add)", "thread": "thread", "lent": "lent (process on loans)"}
 
 
 def bank_state(keys: np.ndarray, seed: int) -> dict:
@@ -91,6 +96,7 @@ class Updater:
         self.bank.add([f"lesson {self.step}.{j}" for j in range(half)], kind="lesson", step=self.step,
                       keys=keys[half:])
         self.bank.drain_changes()
+        self.bank.lend_index()
         t2 = time.perf_counter()
         self.bank.stats()
         t3 = time.perf_counter()
@@ -129,6 +135,33 @@ def workload(ms: float) -> Callable[[], None]:
     return step
 
 
+def beside_spinner(nices: tuple[int, ...] = (10, 19), step_ms: float = STEP_MS,
+                   steps: int = 40) -> list[tuple[str, float, float]]:
+    """The fixed step alone, then beside a process spinning in pure Python at each niceness:
+    ``(label, median ms, longest ms)`` each. What any build running beside a step that keeps
+    every core busy costs it, whatever the build does (why builds run on loans, ``lent.py``)."""
+    step = workload(step_ms)
+
+    def timed() -> tuple[float, float]:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times), max(times)
+
+    rows = [("alone", *timed())]
+    for nice in nices:
+        spinner = subprocess.Popen([sys.executable, "-c", f"import os; os.nice({nice})\nwhile True: pass"])
+        try:
+            time.sleep(0.5)  # started and spinning
+            rows.append((f"beside a process spinning at niceness {nice}", *timed()))
+        finally:
+            spinner.kill()
+            spinner.wait()
+    return rows
+
+
 @dataclass
 class Stall:
     mode: str
@@ -154,16 +187,20 @@ class Stall:
         return max(self.steps) / self.median
 
 
-def stall(state: dict, draw: Callable[[int], np.ndarray], background: bool, seed: int,
+def stall(state: dict, draw: Callable[[int], np.ndarray], mode: str, seed: int,
           spec: IndexSpec | None = None, settle: int = 3, step_ms: float = STEP_MS,
           max_steps: int = 20_000) -> Stall:
-    """Training steps across one retrain of the index of the bank saved in ``state`` (at most
-    ``max_steps``: a low-priority rebuild beside a busy step can take many)."""
+    """Training steps across one retrain of the index of the bank saved in ``state``, rebuilt
+    as ``mode`` says (one of ``MODES``), at most ``max_steps`` (a rebuild beside a busy step
+    can take many)."""
+    if mode not in MODES:
+        raise ValueError(f"stall mode '{mode}' is unknown; expected one of {', '.join(MODES)}")
     n = len(state["ids"])
     base = spec or IndexSpec()
     # retrain once the bank has grown by ~4 updates of adds; the capacity leaves it room to grow
     spec = dataclasses.replace(base, retrain_growth=1 + 4 * EPISODES / n,
-                               background_from=0 if background else 10**12)
+                               background_from=10**12 if mode == "inline" else 0,
+                               build_loan=0.0 if mode == "thread" else base.build_loan or IndexSpec.build_loan)
     bank = MemoryBank(capacity=n + 100 * EPISODES, index=spec)
     bank.load_state_dict(state)
     index = bank._index
@@ -196,10 +233,9 @@ def stall(state: dict, draw: Callable[[int], np.ndarray], background: bool, seed
             ended = t1
         after += ended is not None
     rebuild_s = (ended - started) if started is not None and ended is not None else float("nan")
-    cpu_s = index.last_build[1] if background and index.last_build is not None else float("nan")
+    cpu_s = index.last_build[1] if mode != "inline" and index.last_build is not None else float("nan")
     swap_step = times[rebuilding.index(True) + sum(rebuilding) - 1] if any(rebuilding) else float("nan")
-    return Stall("background" if background else "inline (in add)", n, times, rebuilding, rebuild_s, cpu_s,
-                 1e3 * index.last_swap_s, swap_step)
+    return Stall(MODES[mode], n, times, rebuilding, rebuild_s, cpu_s, 1e3 * index.last_swap_s, swap_step)
 
 
 def upkeep_table(rows: list[tuple[int, str, Update, float]], goal_ms: float = 50.0) -> Table:

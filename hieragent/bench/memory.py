@@ -25,8 +25,10 @@ bits at d=384, the top 100 re-scored with the exact keys); HNSW (M=32, efSearch 
 Measured: build (train + add) time, latency of 1 query and of a batch of 256, recall@10
 against the numpy exact result, and the speed-up of the batch over the fastest exact path
 measured in the same run on the same data. Then the bank's upkeep per training update at each
-clustered size, and the training-step stall across an index retrain, inline and in the
-background (``bank_upkeep.py``).
+clustered size, and the training-step stall across an index retrain: inside ``add``, in a
+thread, and in a process on loans (``bank_upkeep.py``, ``--stall-modes``). The IVF rows search
+as FAISS ships (the coarse quantizer on its per-query path below 128000 queries); the bank's
+row searches as the bank does, every batch of 16 or more on BLAS, the quantizer included.
 
 Why FAISS flat is slower than numpy at batch 256 (2 shared cores, faiss-cpu 1.15.1, 1M
 clustered keys: FlatIP as shipped 11.3 s, with 1 OpenMP thread 17.8 s, with the BLAS path
@@ -429,6 +431,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--ivfpq", action="store_true", help="also measure IVF-PQ (48 x 8 bits, nprobe 32)")
     p.add_argument("--stall-size", type=int, default=None,
                    help="bank size of the retrain-stall measurement (default: the largest size; 0: skip)")
+    p.add_argument("--stall-modes", nargs="+", choices=list(bank_upkeep.MODES), default=list(bank_upkeep.MODES),
+                   help="how the stall measurement rebuilds: inside add, in a thread, in a process on loans")
+    p.add_argument("--spinner", action="store_true",
+                   help="also time the fixed training step beside a process spinning at niceness 10 and 19")
     p.add_argument("--no-upkeep", action="store_true", help="skip the upkeep and stall tables")
     p.add_argument("--no-search", action="store_true",
                    help="skip the search rows: only the upkeep and stall tables (the bank at each size chooses its "
@@ -444,8 +450,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     jobs = [("clustered", n) for n in a.sizes] + [("minilm", n) for n in a.minilm_sizes]
     jobs += [("uniform", a.uniform_size)] if a.uniform_size else []
     if a.no_search:
-        if a.no_upkeep:
-            p.error("--no-search with --no-upkeep leaves nothing to measure")
+        if a.no_upkeep and not a.spinner:
+            p.error("--no-search with --no-upkeep leaves nothing to measure (add --spinner for the step beside a "
+                    "spinning process)")
         jobs = []
     rows: list[Row] = []
     notes: list[str] = []
@@ -463,7 +470,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     cache = os.environ.get("HIERAGENT_CACHE")
     with tempfile.TemporaryDirectory() as fresh, Progress(console=console) as progress:
         upkeep_jobs = [] if a.no_upkeep else a.sizes
-        task = progress.add_task("bench-memory", total=3 * len(jobs) + 1 + len(upkeep_jobs) + 2 * bool(stall_n))
+        task = progress.add_task("bench-memory", total=3 * len(jobs) + 1 + len(upkeep_jobs) + len(a.stall_modes) * bool(stall_n))
         try:
             for data, n in jobs:
                 progress.update(task, description=f"{data} n={n:,}")
@@ -494,10 +501,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 if n == stall_n and not a.no_upkeep:
                     state = bank.state_dict()
                     del bank
-                    for background in (False, True):
-                        progress.update(task, description=f"retrain stall n={n:,}, "
-                                                          f"{'background' if background else 'inline'}")
-                        stalls.append(bank_upkeep.stall(state, draw, background, a.seed, **quick_stall))
+                    for mode in a.stall_modes:
+                        progress.update(task, description=f"retrain stall n={n:,}, {mode}")
+                        stalls.append(bank_upkeep.stall(state, draw, mode, a.seed, **quick_stall))
                         progress.advance(task)
                     del state
         finally:
@@ -515,8 +521,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
         console.print(bank_upkeep.upkeep_table(upkeep))
     if stalls:
         console.print(bank_upkeep.stall_table(stalls))
+    spun = []
+    if a.spinner:
+        (_, alone, _), *beside = bank_upkeep.beside_spinner(step_ms=20.0 if a.quick else bank_upkeep.STEP_MS)
+        spun = [f"the fixed step {label}: median {med:.0f} ms, longest {top:.0f} ms ({top / alone:.1f}x the median "
+                f"alone, {alone:.0f} ms)" for label, med, top in beside]
     for line in [machine, *notes, *([finding(rows)] if rows else []), *goal(rows), *bank_upkeep.verdicts(upkeep, stalls),
-                 f"total {time.perf_counter() - started:.0f} s"]:
+                 *spun, f"total {time.perf_counter() - started:.0f} s"]:
         print(line)
     return rows
 

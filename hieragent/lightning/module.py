@@ -484,6 +484,7 @@ class HierAgentModule(CheckpointHooks, L.LightningModule):
             return
         self._agree_on_index()
         stats, changes = self.evolution.update(batch, self.global_step, self._skill_keys)
+        self.bank.lend_index()
         self._skill_keys = None
         self._write_changes(changes)
         self.log_dict({k: v for k, v in stats.items() if not math.isnan(v)},

@@ -143,6 +143,12 @@ class MemoryBank:
         """A background rebuild of the index runs, or has finished and waits to be swapped in."""
         return self._index is not None and self._index.building is not None
 
+    def lend_index(self) -> None:
+        """Once per training update: a rebuild on loans (``memory.index.build_loan``) runs for
+        one loan, and a finished one swaps in. Nothing to do otherwise."""
+        if self._index is not None:
+            self._index.lend()
+
     def hold_index_swaps(self, hold: bool = True) -> None:
         """Swap finished background rebuilds in only through ``swap_index`` (across processes,
         at a step every rank agrees on, so every rank's bank searches the same index)."""

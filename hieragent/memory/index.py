@@ -28,10 +28,12 @@ are never written in place. The old index keeps answering every search meanwhile
 and removals go on; when the new index is ready the next call swaps it in and replays what
 changed since the snapshot (O(changes)). ``wait()`` blocks until a running rebuild is in.
 
-Exact search sets FAISS's BLAS threshold for the call: ``IndexFlatIP`` only uses BLAS for
+Every search sets FAISS's BLAS threshold for the call: ``IndexFlatIP`` only uses BLAS for
 batches of at least ``faiss.cvar.distance_compute_blas_threshold`` queries (128000 in the
 faiss-cpu wheels), and below it a batch of 256 over 1M keys is eight times slower than the
-BLAS path (``make bench-memory``).
+BLAS path (``make bench-memory``). IVF's coarse quantizer is such a flat index: over 4096
+lists its per-query path was most of a 128-query IVF search (16 ms against 4 ms on BLAS, on
+a 2-core Xeon).
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ import math
 import os
 import threading
 import time
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import faiss
 import numpy as np
@@ -63,6 +66,9 @@ CHUNK = 8192
 HEADROOM_AT = 0.9  # a large index rebuilds into a bigger buffer in the background at this fill
 QUERIES_KEPT = 256  # recent queries kept for ``auto`` to measure recall on
 CATCH_UP_LEFT = 512  # a background build hands over once at most this many new rows are unindexed
+LOANS_KEPT = 16  # updates whose median time sets a loan
+MIN_LOAN_S = 0.005  # the least a loan gives a build (updates of a few milliseconds still finish it)
+CATCH_UP_SLICE = 1024  # rows a lent build's catch-up indexes per slice (an IVF assignment each)
 _blas_lock = threading.Lock()
 
 
@@ -89,6 +95,12 @@ class IndexSpec:
             equally with the training step, 19 yields the most. Not Linux's idle class: under
             a training loop that keeps every core busy (or env workers beside it), a build in
             that class never finishes.
+        build_loan: Above 0 (on Linux), a background build runs in a child process that is
+            stopped except while the trainer lends it time, once per update (``KeyIndex.lend``,
+            see ``lent.py``): this share of the update's own time (the median of the last few),
+            so an update during a build takes at most about ``1 + build_loan`` times as long,
+            whatever the machine. 0 builds in a thread (at ``build_nice``), concurrently with
+            training: better where the step leaves cores idle, worse where it keeps all busy.
     """
 
     kind: str = "auto"
@@ -105,6 +117,7 @@ class IndexSpec:
     compact_fraction: float = 0.25
     background_from: int = 20_000
     build_nice: int = 10
+    build_loan: float = 0.25
 
     def __post_init__(self) -> None:
         if self.kind not in INDEX_KINDS:
@@ -119,6 +132,9 @@ class IndexSpec:
             raise ValueError(f"memory.index.retrain_growth must be > 1, got {self.retrain_growth}")
         if not 0 < self.compact_fraction < 1:
             raise ValueError(f"memory.index.compact_fraction must be in (0, 1), got {self.compact_fraction}")
+        if not 0 <= self.build_loan <= 10:
+            raise ValueError(f"memory.index.build_loan must be in [0, 10] (a share of an update's time; 0: build in "
+                             f"a thread), got {self.build_loan}")
         if not 0 <= self.build_nice <= 19:
             raise ValueError(f"memory.index.build_nice must be in [0, 19] (a niceness), got {self.build_nice}")
 
@@ -230,11 +246,75 @@ def search_rows(index: faiss.Index, kind: str, buf: np.ndarray, q: np.ndarray, n
     """Top-``n`` ``(scores, rows)`` of ``index`` (of ``kind``, labelled by rows of ``buf``) for
     ``q``, PQ candidates re-scored exactly; ``[B, >= n]``, rows -1 where the index found too few."""
     fetch = min(n * rerank if kind in RERANKED else n, index.ntotal)
-    if kind == "flat":
-        with blas_search(len(q)):
-            return index.search(q, fetch, params=params)
-    scores, rows = index.search(q, fetch, params=params)
+    with blas_search(len(q)):  # IVF's coarse quantizer is a flat index too: 4x faster on BLAS at 128 queries
+        scores, rows = index.search(q, fetch, params=params)
     return rescore(buf, q, rows, n) if kind in RERANKED else (scores, rows)
+
+
+def new_rows(m: int, dim: int, buf: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Empty rows for a rebuild over ``m`` keys (``buf``: memory of at least that capacity to use):
+    ``(keys [cap, D], ids [cap])`` with headroom, since compaction (at a quarter dead) comes before growth."""
+    cap = rows_capacity(m)
+    if buf is None:
+        buf = np.zeros((cap, dim), dtype=np.float32)
+    return buf[:cap], np.full(cap, -1, dtype=np.int64)
+
+
+def rows_capacity(m: int) -> int:
+    return max(64, m + m // 2)
+
+
+def copy_live(buf: np.ndarray, rid: np.ndarray, keep: np.ndarray, new_buf: np.ndarray,
+              new_rid: np.ndarray) -> Iterator[None]:
+    """The snapshot's live rows ``keep`` into the first rows of the new ones, a ``CHUNK`` at a
+    time (yielding after each: a lent build slices its work there)."""
+    for s in range(0, len(keep), CHUNK):
+        e = min(s + CHUNK, len(keep))
+        new_buf[s:e], new_rid[s:e] = buf[keep[s:e]], rid[keep[s:e]]
+        yield None
+
+
+def map_rows(rid: np.ndarray, m: int, row: dict[int, int]) -> Iterator[None]:
+    """Fill ``row`` (id -> row) for the first ``m`` rows of ``rid``, a ``CHUNK`` at a time."""
+    for s in range(0, m, CHUNK):
+        e = min(s + CHUNK, m)
+        row.update(zip(rid[s:e].tolist(), range(s, e)))
+        yield None
+
+
+def index_over(keys: np.ndarray, kind: str, spec: IndexSpec, tuned: dict[str, int], template: faiss.Index | None,
+               trained_at: int, tune: bool = False, queries: np.ndarray | None = None
+               ) -> tuple[str, faiss.Index, faiss.Index | None, int, dict[str, int], str]:
+    """A FAISS index of ``kind`` over ``keys`` (labels: their rows): ``(kind, index, template,
+    trained_at, tuned, note)``. ``"auto"`` chooses the kind; ``tune`` (where the spec is auto)
+    measures its search settings again; a ``template`` (trained, empty) is re-added into
+    without training (a compaction)."""
+    m = len(keys)
+    note, tuned = "", dict(tuned)
+
+    def make(kind: str, tuned: dict[str, int]) -> faiss.Index:
+        """A new index of ``kind`` over ``keys``, trained on them where it is IVF."""
+        nonlocal template, trained_at
+        index = trained_index(kind, keys, spec, tuned)
+        if kind in IVF_KINDS:
+            trained_at, template = m, faiss.clone_index(index)
+        for s in range(0, m, 8 * CHUNK):  # FAISS releases the GIL: larger slices
+            index.add(keys[s:min(s + 8 * CHUNK, m)])
+        return index
+
+    if kind == "auto" or (tune and spec.kind == "auto" and kind != "flat"):
+        # auto's first build chooses the kind; its retrainings measure the search settings again
+        from hieragent.memory import autotune
+
+        kind, index, tuned, note = autotune.build(keys, spec, make, None if kind == "auto" else (kind, tuned),
+                                                  queries=queries)
+    elif template is not None:  # a compaction: the trained quantizer, the live keys re-added
+        index = faiss.clone_index(template)
+        for s in range(0, m, 8 * CHUNK):
+            index.add(keys[s:min(s + 8 * CHUNK, m)])
+    else:
+        index = make(kind, tuned)
+    return kind, index, template, trained_at, tuned, note
 
 
 @dataclass
@@ -265,7 +345,16 @@ class _Job:
     built: _Built | None = None
     error: BaseException | None = None
     started: float = field(default_factory=time.perf_counter)
-    cpu_s: float = float("nan")  # CPU seconds of the background build thread
+    cpu_s: float = float("nan")  # CPU seconds of the background build (its thread, or its process)
+    lent: Any = None  # a ``lent.LentBuild``: the build runs on the caller's loans
+
+    @property
+    def background(self) -> bool:
+        return self.thread is not None or self.lent is not None
+
+    @property
+    def running(self) -> bool:
+        return (self.thread is not None and self.thread.is_alive()) or (self.lent is not None and not self.lent.done)
 
 
 class KeyIndex:
@@ -304,6 +393,8 @@ class KeyIndex:
         self._faiss: faiss.Index = faiss.IndexFlatIP(dim)
         self._queries = np.zeros((QUERIES_KEPT, dim), dtype=np.float32)
         self._asked = 0
+        self._lent_at: float | None = None  # when the last ``lend`` returned
+        self._between: deque[float] = deque(maxlen=LOANS_KEPT)  # the caller's time between them
 
     # ---- reading -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -425,12 +516,37 @@ class KeyIndex:
         ``hold_swaps`` holds a finished one, this is the swap, at a point every process agrees on."""
         if self._job is not None and self._job.thread is not None:
             self._job.thread.join()
+        if self._job is not None and self._job.lent is not None:
+            self._lent(None)
         self._poll(force=True)
+
+    def lend(self, seconds: float | None = None) -> None:
+        """The trainer calls this once per update. A rebuild on loans (``spec.build_loan`` > 0)
+        gets ``seconds`` of this thread (default: ``build_loan`` times the median time between
+        the last calls): its process runs meanwhile, and this thread does its own share. A
+        finished rebuild swaps in (unless held)."""
+        now = time.perf_counter()
+        if self._lent_at is not None:
+            self._between.append(now - self._lent_at)
+        if seconds is None:
+            seconds = max(MIN_LOAN_S, self.spec.build_loan * statistics.median(self._between or [0.0]))
+        if self._job is not None and self._job.lent is not None:
+            self._lent(seconds)
+        self._poll()
+        self._lent_at = time.perf_counter()  # the caller's own time runs from here to the next call
+
+    def _lent(self, seconds: float | None) -> None:
+        job = self._job
+        if job is None or job.lent is None or job.lent.done:
+            return
+        try:
+            job.lent.finish() if seconds is None else job.lent.advance(seconds)
+        except BaseException as e:  # raised by _poll, as a thread's error is
+            job.error = e
 
     def ready(self) -> bool:
         """No background build runs (none started, or it has finished)."""
-        job = self._job
-        return job is None or job.thread is None or not job.thread.is_alive()
+        return self._job is None or not self._job.running
 
     def choice(self) -> tuple[str, dict[str, int]] | None:
         """What a finished build made: ``(kind, tuned search settings)``; None if none or failed."""
@@ -498,6 +614,17 @@ class KeyIndex:
             self._job = job
             self._poll()
             return
+        if self.spec.build_loan > 0:
+            from hieragent.memory import lent
+
+            if lent.available():
+                req = lent.request(self.spec, kind, self.tuned, template, self.trained_at, tune, args[-1])
+                job.lent = lent.LentBuild(self._buf, self._rid, keep, self.dim, req,
+                                          after=lambda *built: self._lent_finish(job, *built))
+                self._job = job
+                log.info("memory index: building %s over %d keys in a process lent %.0f%% of each update's time "
+                         "(%s serves meanwhile)", kind, len(keep), 100 * self.spec.build_loan, self.active)
+                return
 
         def run() -> None:
             try:
@@ -523,51 +650,33 @@ class KeyIndex:
                template: faiss.Index | None, tune: bool = False, queries: np.ndarray | None = None) -> _Built:
         """The new rows and index from a snapshot: reads rows of ``buf`` that nobody writes."""
         m = len(keep)
-        cap = max(64, m + m // 2)  # headroom: compaction (at a quarter dead) comes before growth
-        new_buf = np.zeros((cap, self.dim), dtype=np.float32)
-        new_rid = np.full(cap, -1, dtype=np.int64)
-        for s in range(0, m, CHUNK):
-            e = min(s + CHUNK, m)
-            new_buf[s:e], new_rid[s:e] = buf[keep[s:e]], rid[keep[s:e]]
-        note, tuned = "", dict(self.tuned)
-        keys = new_buf[:m]
-        trained_at = self.trained_at
-
-        def make(kind: str, tuned: dict[str, int]) -> faiss.Index:
-            """A new index of ``kind`` over ``keys``, trained on them where it is IVF."""
-            nonlocal template, trained_at
-            index = trained_index(kind, keys, self.spec, tuned)
-            if kind in IVF_KINDS:
-                trained_at, template = m, faiss.clone_index(index)
-            for s in range(0, m, 8 * CHUNK):  # FAISS releases the GIL: larger slices
-                index.add(keys[s:min(s + 8 * CHUNK, m)])
-            return index
-
-        if kind == "auto" or (tune and self.spec.kind == "auto" and kind != "flat"):
-            # auto's first build chooses the kind; its retrainings measure the search settings again
-            from hieragent.memory import autotune
-
-            kind, index, tuned, note = autotune.build(keys, self.spec, make, None if kind == "auto" else (kind, tuned),
-                                                      queries=queries)
-        elif template is not None:  # a compaction: the trained quantizer, the live keys re-added
-            index = faiss.clone_index(template)
-            for s in range(0, m, 8 * CHUNK):
-                index.add(keys[s:min(s + 8 * CHUNK, m)])
-        else:
-            index = make(kind, tuned)
+        new_buf, new_rid = new_rows(m, self.dim)
+        for _ in copy_live(buf, rid, keep, new_buf, new_rid):
+            pass
+        kind, index, template, trained_at, tuned, note = index_over(
+            new_buf[:m], kind, self.spec, self.tuned, template, self.trained_at, tune, queries)
         row: dict[int, int] = {}
-        for s in range(0, m, CHUNK):
-            e = min(s + CHUNK, m)
-            row.update(zip(new_rid[s:e].tolist(), range(s, e)))
+        for _ in map_rows(new_rid, m, row):
+            pass
         return _Built(kind, index, template, trained_at, new_buf, new_rid, m, row, tuned, note)
+
+    def _lent_finish(self, job: _Job, m: int, kind: str, index: faiss.Index, template: faiss.Index | None,
+                     trained_at: int, tuned: dict[str, int], note: str, buf: np.ndarray,
+                     rid: np.ndarray) -> Iterator[None]:
+        """A lent build's last steps, in this thread and in slices: the id map, the catch-up."""
+        row: dict[int, int] = {}
+        yield from map_rows(rid, m, row)
+        built = _Built(kind, index, template, trained_at, buf, rid, m, row, tuned, note)
+        yield from self._catch_up_steps(built, job, CATCH_UP_SLICE, blas=True)
+        job.cpu_s, job.built = job.lent.cpu_s, built
 
     def _poll(self, force: bool = False) -> None:
         """Swap in a finished rebuild, replaying the adds and removals made since its snapshot
         (a background one only when ``force`` where ``hold_swaps``)."""
         job = self._job
-        if job is None or (job.thread is not None and job.thread.is_alive()):
+        if job is None or (job.running and job.error is None):
             return
-        if self.hold_swaps and job.thread is not None and not force:
+        if self.hold_swaps and job.background and not force and job.error is None:
             return
         self._job = None
         swap_started = time.perf_counter()
@@ -580,7 +689,7 @@ class KeyIndex:
         # indexed those up to b.caught already
         t = self._n - job.snap_n
         total = b.m + t
-        self._copy_tail(b, job.snap_n, b.caught or job.snap_n, self._n)
+        self._copy_tail(b, job.snap_n, b.caught or job.snap_n, self._n, blas=True)  # no build runs now
         live = np.zeros(len(b.buf), dtype=bool)
         live[: b.m] = True
         live[b.m:total] = self._live[job.snap_n:self._n]
@@ -593,10 +702,10 @@ class KeyIndex:
         if b.kind != self.active:
             log.info("memory index: %s -> %s over %d keys%s", self.active, b.kind, len(b.row),
                      f" ({b.note})" if b.note else "")
-        if job.thread is not None:
+        if job.background:
             self.last_build = (time.perf_counter() - job.started, job.cpu_s)
             log.info("memory index: the background build of %s swapped in after %.1f s (%.1f s of CPU in its "
-                     "thread)", b.kind, *self.last_build)
+                     "%s)", b.kind, *self.last_build, "process" if job.lent is not None else "thread")
         if self.spec.kind == "auto" and b.kind != "flat":
             self.auto_kind, self.tuned, self.auto_note = b.kind, b.tuned, b.note or self.auto_note
         self._buf, self._rid, self._live, self._n, self._dead, self._row = b.buf, b.rid, live, total, dead, b.row
@@ -607,10 +716,12 @@ class KeyIndex:
         self.ops["rebuilds"] += 1
         self.last_swap_s = time.perf_counter() - swap_started  # the old index's release included
 
-    def _copy_tail(self, b: _Built, snap_n: int, start: int, end: int) -> None:
+    def _copy_tail(self, b: _Built, snap_n: int, start: int, end: int, blas: bool = False) -> None:
         """Copy rows ``[start, end)`` of this index (added after the snapshot at ``snap_n``) into
         the build ``b`` and index them there. Rows are append-only, so a build thread may call
-        this for rows below an ``end`` it read before the buffer it reads them from."""
+        this for rows below an ``end`` it read before the buffer it reads them from. ``blas``:
+        assign them to IVF lists on BLAS (not from a build thread, which would hold the
+        process-wide threshold, and with it the caller's searches, for its whole add)."""
         if end <= start:
             return
         lo, hi = b.m + start - snap_n, b.m + end - snap_n
@@ -620,7 +731,8 @@ class KeyIndex:
             buf[:lo], rid[:lo] = b.buf[:lo], b.rid[:lo]
             b.buf, b.rid = buf, rid
         b.buf[lo:hi], b.rid[lo:hi] = self._buf[start:end], self._rid[start:end]
-        b.index.add(b.buf[lo:hi])
+        with blas_search(hi - lo if blas else 0):
+            b.index.add(b.buf[lo:hi])
         b.caught = end
 
     @staticmethod
@@ -638,6 +750,11 @@ class KeyIndex:
         """In the build thread: index the rows added while it built and drop the removed ones,
         until few are left, so that the swap on the caller's thread replays only a handful
         (O(1), not O(build time))."""
+        for _ in self._catch_up_steps(b, job, CHUNK):
+            pass
+
+    def _catch_up_steps(self, b: _Built, job: _Job, rows: int, blas: bool = False) -> Iterator[None]:
+        """``_catch_up`` in slices of ``rows`` rows (``blas``: see ``_copy_tail``)."""
         snap_n = job.snap_n
         b.caught = snap_n
         while True:
@@ -645,8 +762,9 @@ class KeyIndex:
             end = self._n  # read before the buffer: every row below it is in that buffer
             if end - b.caught <= CATCH_UP_LEFT:
                 return
-            for s in range(b.caught, end, CHUNK):
-                self._copy_tail(b, snap_n, s, min(s + CHUNK, end))
+            for s in range(b.caught, end, rows):
+                self._copy_tail(b, snap_n, s, min(s + rows, end), blas)
+                yield None
 
     def _wanted(self) -> str:
         return wanted_kind(self.spec, len(self), self.auto_kind)

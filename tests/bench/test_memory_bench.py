@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pytest
 
 from hieragent.bench import bank_upkeep
 from hieragent.bench.memory import EXACT, cluster_source, main, mission_texts, numpy_topk, recall_at_k
@@ -10,11 +11,12 @@ from hieragent.memory.index import IndexSpec
 
 
 def test_bench_prints_every_index_and_exact_paths_agree(capsys):
-    rows = main(["--quick"])
+    rows = main(["--quick", "--spinner"])
     out = capsys.readouterr().out
-    for name in (*EXACT, "IVF128,Flat", "IVF128,PQ48x4fs", "HNSW32", "bank KeyIndex (auto)", "finding",
+    for name in ("the fixed step beside a process spinning at niceness 10", "niceness 19", *EXACT, "IVF128,Flat", "IVF128,PQ48x4fs", "HNSW32", "bank KeyIndex (auto)", "finding",
                  "goal (clustered n=2,000)", "matmul peak fp32", "bank upkeep per training update",
-                 "goal (upkeep n=2,000", "stall (n=2,000, retrain inline", "stall (n=2,000, retrain background"):
+                 "goal (upkeep n=2,000", "stall (n=2,000, retrain inline", "stall (n=2,000, retrain thread",
+                 "stall (n=2,000, retrain lent"):
         assert name in out
     bank = [r for r in rows if r.index == "bank KeyIndex (auto)"]
     assert len(bank) == 2 and all(r.recall == 1.0 and r.params.startswith("flat") for r in bank)  # 2k keys: exact
@@ -42,15 +44,19 @@ def test_upkeep_keeps_a_full_bank_full_and_a_background_retrain_never_stops_the_
     assert len(timings.retrieval_ms) == len(timings.metrics_ms) == 4 and min(timings.totals()) > 0
     state = bank.state_dict()
     spec = IndexSpec(kind="ivf_flat", nlist=16)
-    inline = bank_upkeep.stall(state, draw, background=False, seed=5, spec=spec, step_ms=5.0)
-    behind = bank_upkeep.stall(state, draw, background=True, seed=5, spec=spec, step_ms=5.0)
-    assert inline.during == 1 and math.isfinite(inline.rebuild_s) and math.isfinite(behind.rebuild_s)
-    assert math.isnan(inline.cpu_s) and behind.cpu_s > 0  # the background build's own thread did the work
-    # the retrain started after 4 updates of adds, steps went on until it was swapped in, then it was over
-    assert behind.rebuilding.index(True) == 3 and behind.during >= 2 and not behind.rebuilding[-1]
-    assert "(met: <= 2x)" in bank_upkeep.verdicts([], [behind])[0] or "(not met" in bank_upkeep.verdicts([], [behind])[0]
+    inline = bank_upkeep.stall(state, draw, "inline", seed=5, spec=spec, step_ms=5.0)
+    assert inline.during == 1 and math.isfinite(inline.rebuild_s) and math.isnan(inline.cpu_s)
+    for mode in ("thread", "lent"):
+        behind = bank_upkeep.stall(state, draw, mode, seed=5, spec=spec, step_ms=5.0)
+        assert math.isfinite(behind.rebuild_s) and behind.cpu_s > 0  # its own thread or process did the work
+        # the retrain started after 4 updates of adds, steps went on until it was swapped in, then it was over
+        assert behind.rebuilding.index(True) == 3 and behind.during >= 2 and not behind.rebuilding[-1]
+        verdict = bank_upkeep.verdicts([], [behind])[0]
+        assert f"retrain {bank_upkeep.MODES[mode]})" in verdict and ("(met: <= 2x)" in verdict or "(not met" in verdict)
+    with pytest.raises(ValueError, match="stall mode 'idle' is unknown; expected one of inline, thread, lent"):
+        bank_upkeep.stall(state, draw, "idle", seed=5, spec=spec)
     # capped before its rebuild was swapped in (here: before it began), a run cannot vouch for the swap step
-    capped = bank_upkeep.stall(state, draw, background=True, seed=5, spec=spec, step_ms=5.0, max_steps=3)
+    capped = bank_upkeep.stall(state, draw, "thread", seed=5, spec=spec, step_ms=5.0, max_steps=3)
     assert len(capped.steps) == 3 and math.isnan(capped.rebuild_s)
     assert "not shown: the rebuild had not finished after 3 steps" in bank_upkeep.verdicts([], [capped])[0]
 

@@ -21,6 +21,8 @@ from hieragent.envs.crafter_scripted import (
     ScriptedPlayer, expert_episode, expert_segments, play_scripted, scripted_steps,
 )
 
+from demo_helpers import replay_demo
+
 NAME = NAMES[0]
 _LINE = re.compile(r"^- ([a-z ]+): (\d+) steps? (up|down|left|right)(?: and (\d+) (left|right))?$")
 _SIGN = {"up": (0, -1), "down": (0, 1), "left": (-1, 0), "right": (1, 0)}
@@ -281,17 +283,8 @@ def test_expert_segments_end_on_their_unlocking_steps_and_a_demo_replays() -> No
     assert demo.source == "crafter-scripted" and demo.success
     assert [p.subgoal for p in demo.planner] == [s for s, _ in segments]
     assert [e.action for e in demo.executor] == [a for _, actions in segments for a in actions]
-    obs, steps = env.reset(4), iter(demo.executor)
-    for plan in demo.planner:
-        assert plan.observation == obs.text and plan.candidates == obs.subgoals
-        assert env.set_subgoal(plan.subgoal) == ""
-        result = None
-        while result is None or not result.subgoal_done:
-            step = next(steps)
-            assert step.observation == obs.text and step.candidates == ACTIONS
-            result = env.step(step.action)
-            obs = result.observation
-    assert next(steps, None) is None and result.success
+    results = replay_demo(env, demo, env.reset(4))
+    assert results[-1].success and all(step.candidates == ACTIONS for step in demo.executor)
     short = CrafterTextEnv(NAME, max_steps=5)  # no wood pickaxe in 5 steps: no demo
     short.reset(4)
     assert expert_segments(short) == []

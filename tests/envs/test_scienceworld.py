@@ -24,6 +24,8 @@ from hieragent.envs.scienceworld import (
 from hieragent.envs.scienceworld_gold import cut_segments, expert_episode
 from hieragent.rollout.demos import expert_for, record
 
+from demo_helpers import replay_demo
+
 PLANT = "ScienceWorld-find-plant-v0"
 HELDOUT = EVAL_SEED_OFFSET
 GARBAGE = ["", "   ", "xyzzy", "a" * 5000, "ünïcödé ☃ 植物", "reset task", "look around; inventory",
@@ -220,20 +222,9 @@ def test_expert_demo_records_and_replays_to_success_on_a_heldout_seed(env: Scien
     gold = env.gold_path(HELDOUT)
     assert [a for _, actions in segments for a in actions] == gold[:sum(len(a) for _, a in segments)]
     demo = record(env, PLANT, HELDOUT, segments, source)  # checks subgoal_done on each last action
-    obs, rewards, steps = env.reset(HELDOUT), [], iter(demo.executor)
-    for plan in demo.planner:
-        assert plan.observation == obs.text and plan.candidates == obs.subgoals
-        assert env.set_subgoal(plan.subgoal) == ""
-        result = None
-        while result is None or not result.subgoal_done:
-            step = next(steps)
-            assert step.subgoal == plan.subgoal
-            assert step.observation == obs.text and step.candidates == obs.actions
-            result = env.step(step.action)
-            obs = result.observation
-            rewards.append(result.reward)
-    assert next(steps, None) is None and demo.length == len(demo.executor) == len(rewards)
-    assert result.success and result.done and env.score == 100 and sum(rewards) == pytest.approx(1.0)
+    results = replay_demo(env, demo, env.reset(HELDOUT), listed=False)
+    assert results[-1].success and results[-1].done and env.score == 100
+    assert sum(r.reward for r in results) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("seed", [HELDOUT, HELDOUT + 1])

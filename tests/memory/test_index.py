@@ -14,25 +14,7 @@ from hieragent.memory import autotune
 from hieragent.memory.bank import MemoryBank
 from hieragent.memory.index import BLAS_MIN_BATCH, IndexSpec, KeyIndex, auto_nlist, blas_search
 
-D = 32
-
-
-def clustered(rng: np.random.Generator, n: int, centres: int = 40, d: int = D) -> np.ndarray:
-    """Unit vectors around random centres: data with neighbourhoods, like embeddings."""
-    c = rng.standard_normal((centres, d))
-    x = c[rng.integers(0, centres, n)] + 0.35 * rng.standard_normal((n, d))
-    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
-
-
-def brute_force(keys: np.ndarray, ids: np.ndarray, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    sims = q.astype(np.float64) @ keys.astype(np.float64).T  # [B, N]
-    top = np.argsort(-sims, axis=1)[:, :k]
-    return ids[top], np.take_along_axis(sims, top, axis=1)
-
-
-def recall(found: np.ndarray, truth: np.ndarray) -> float:
-    return sum(len(set(f) & set(t)) for f, t in zip(found, truth)) / truth.size
-
+from index_helpers import D, brute_force, clustered, recall
 
 SPECS = {
     "flat": IndexSpec(kind="flat"),
@@ -230,6 +212,8 @@ def test_duplicate_ids_are_refused_and_a_bad_spec_names_its_key():
         IndexSpec(nprobe=0)
     with pytest.raises(ValueError, match=r"memory.index.build_nice must be in \[0, 19\]"):
         IndexSpec(build_nice=20)
+    with pytest.raises(ValueError, match=r"memory.index.build_loan must be in \[0, 10\]"):
+        IndexSpec(build_loan=-0.1)
     with pytest.raises(ValueError, match="pq_m=7 must divide the key dimension 32"):
         KeyIndex(D, IndexSpec(kind="ivf_pq", pq_m=7))
 
@@ -287,15 +271,16 @@ def live_truth(index: KeyIndex, model: dict[int, np.ndarray], q: np.ndarray, k: 
     return brute_force(np.stack([model[i] for i in ids]), ids, q, k)
 
 
-@pytest.mark.parametrize("background", [False, True])
+@pytest.mark.parametrize("mode", ["inline", "thread", "lent"])
 @pytest.mark.parametrize("kind", list(SPECS))
-def test_every_kind_stays_exact_through_many_add_remove_update_cycles(kind, background, data):
-    """Adds, evictions and updates interleaved, with compactions (and, in the background case,
-    rebuilds in a thread while the cycles go on); checked against float64 brute force."""
+def test_every_kind_stays_exact_through_many_add_remove_update_cycles(kind, mode, data):
+    """Adds, evictions and updates interleaved, with compactions (and rebuilds in a thread, or
+    in a process on a loan per cycle, while the cycles go on); checked against float64 brute force."""
     keys, ids, q = data
     rng = np.random.default_rng(11)
     spec = SPECS[kind]
-    spec = IndexSpec(**{**spec.__dict__, "train_per_list": 10, "background_from": 0 if background else 10**9})
+    spec = IndexSpec(**{**spec.__dict__, "train_per_list": 10, "background_from": 10**9 if mode == "inline" else 0,
+                        "build_loan": 0.0 if mode == "thread" else 0.25})
     index = KeyIndex(D, spec)
     model: dict[int, np.ndarray] = {}
     fresh = iter(range(10**6, 2 * 10**6))
@@ -320,9 +305,10 @@ def test_every_kind_stays_exact_through_many_add_remove_update_cycles(kind, back
             index.add(np.array([i]), model[i][None])
         found, scores = index.search(q, 10)  # answered at every point, a build running or not
         assert found.shape == (len(q), 10) and all(int(i) in model for i in found.ravel())
+        index.lend(0.02)  # the trainer's loan, once per update (a lent build runs only then)
     index.wait()
     assert index.active == kind
-    if background:  # cycles went on while a build ran in its thread
+    if mode != "inline":  # cycles went on while a build ran in its thread or process
         assert built_beside and index.ops["rebuilds"] >= 1
     else:  # trained, then compacted or retrained
         assert index.ops["rebuilds"] >= 2
@@ -377,7 +363,7 @@ def test_a_background_retrain_serves_every_search_and_loses_no_entry(data, monke
 
     monkeypatch.setattr(KeyIndex, "_build", held)
     spec = IndexSpec(kind="ivf_flat", nlist=16, train_per_list=39, retrain_growth=2.0, background_from=0,
-                     build_nice=19)
+                     build_nice=19, build_loan=0.0)
     index = KeyIndex(D, spec)
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     index.add(ids[:700], keys[:700])  # 16 lists x 39 keys: training starts
@@ -419,7 +405,7 @@ def test_a_failed_background_build_says_so_and_keeps_the_old_index(data, monkeyp
     def broken(self, *args):
         raise MemoryError("no room for the new lists")
 
-    spec = IndexSpec(kind="ivf_flat", nlist=16, background_from=0)
+    spec = IndexSpec(kind="ivf_flat", nlist=16, background_from=0, build_loan=0.0)  # a thread (lent: test_lent.py)
     index = KeyIndex(D, spec)
     monkeypatch.setattr(KeyIndex, "_build", broken)
     index.add(ids[:1000], keys[:1000])
@@ -467,7 +453,7 @@ def test_processes_whose_auto_measured_differently_swap_in_the_same_index_at_the
         bank.add([f"s{i}" for i in range(3000)], keys=keys[:3000])
         banks.append(bank)
         while not bank.index_vote()[0]:  # this rank's build reads its cache before the next one starts
-            threading.Event().wait(0.01)
+            bank.lend_index()
 
     def vote(extra: slice) -> list[bool]:
         for bank in banks:  # an update on every rank: adds and evictions go on while builds are held
@@ -478,10 +464,9 @@ def test_processes_whose_auto_measured_differently_swap_in_the_same_index_at_the
     assert [b.index_kind for b in banks] == ["flat", "flat"]  # finished, but held for the vote
     assert [b.index_vote()[1][0] for b in banks] == ["ivf_fastscan", "ivf_flat"]
     assert vote(slice(3000, 3100)) == [False, False]  # rank 1 rebuilds as rank 0 chose
-    for _ in range(200):
-        if all(b.index_vote()[0] for b in banks):
-            break
-        threading.Event().wait(0.05)
+    while not all(b.index_vote()[0] for b in banks):
+        for bank in banks:
+            bank.lend_index()
     assert vote(slice(3100, 3200)) == [True, True]
     assert [b.index_kind for b in banks] == ["ivf_fastscan", "ivf_fastscan"]
     assert banks[0]._index.tuned == banks[1]._index.tuned and banks[0]._index.tuned["fastscan_m"] == 16

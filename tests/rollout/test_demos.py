@@ -11,6 +11,8 @@ from hieragent.rollout.demos import (
     demonstrations, expert_for, read_demonstrations, record, write_demonstrations,
 )
 
+from demo_helpers import replay_demo
+
 LEVEL = "BabyAI-PickupLoc-v0"
 
 
@@ -26,19 +28,7 @@ def test_every_demo_replays_to_success_with_the_recorded_choices(demos) -> None:
         assert demo.success and demo.source == "babyai-bot" and demo.env == LEVEL
         obs = env.reset(demo.seed)
         assert obs.mission == demo.mission
-        steps = iter(demo.executor)
-        for plan in demo.planner:
-            assert plan.observation == obs.text and plan.candidates == obs.subgoals
-            assert env.set_subgoal(plan.subgoal) == ""
-            result = None
-            while result is None or not result.subgoal_done:
-                step = next(steps)
-                assert step.subgoal == plan.subgoal and step.observation == obs.text
-                assert step.candidates == obs.actions and step.action in obs.actions
-                result = env.step(step.action)
-                obs = result.observation
-        assert next(steps, None) is None and result.success
-        assert demo.length == len(demo.executor)
+        assert replay_demo(env, demo, obs)[-1].success
 
 
 def test_jsonl_round_trip_is_exact(demos, tmp_path) -> None:

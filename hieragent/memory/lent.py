@@ -1,0 +1,208 @@
+"""Index rebuilds that take CPU only when the bank lends it: a child process, stopped between loans.
+
+Where the training step keeps every core busy (a CPU run on a 2-core machine), no concurrent
+build leaves the step alone: the step's threads meet after every op, and whenever the
+scheduler gives the build a slice of one core, the other core's thread waits at the barrier.
+``make bench-memory`` measured the longest step at 4-10x the median beside a build thread at
+niceness 10, and a process spinning at niceness 19 still stretched a step to 2.1x (``--spinner``). So with
+``memory.index.build_loan`` > 0 (the default) a background rebuild runs in a child process
+that is stopped (``SIGSTOP``) except while the bank lends it time: ``KeyIndex.lend()``,
+called once per training update, continues it for ``build_loan`` times the update's own time
+while the caller waits, then stops it.
+The caller's own share of the rebuild (copying the snapshot's live rows into shared memory,
+filling the new IVF lists, the id map, the rows added meanwhile) runs in the same loans, in
+slices. An update during a build is then longer by about one loan, on any machine.
+
+The child reads the snapshot's keys from a ``memfd`` the caller filled and builds what the
+thread would (``index_over``: training, ``auto``'s measurements, the adds). It hands back the
+trained, empty index and each row's inverted list for ``ivf_flat`` (the caller fills the lists
+itself, a copy per slice, rather than deserialize a gigabyte at once), and the whole serialized
+index for the kinds whose codes are small (PQ, fast-scan) or that FAISS cannot fill from given
+lists (HNSW). While stopped between loans the child's wall clock runs on, so ``auto``'s timings
+there use CPU time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import faiss
+import numpy as np
+
+from hieragent.memory.index import CHUNK, IndexSpec, copy_live, index_over, new_rows, rows_capacity
+
+CHILD = "child"  # what the caller's steps yield while the child works
+
+
+def available() -> bool:
+    """Lent builds need Linux's memfd and stop signals; elsewhere the thread builds."""
+    return hasattr(os, "memfd_create") and hasattr(signal, "SIGSTOP")
+
+
+class LentBuild:
+    """The caller's side of one rebuild: ``advance(seconds)`` runs its steps (and the child)
+    for that long, ``finish()`` to the end without stopping the child. Once the child is done,
+    ``after(m, kind, index, template, trained_at, tuned, note, buf, rid)`` gives the caller's last
+    steps (an iterator, each item one slice); ``done`` when they are."""
+
+    def __init__(self, buf: np.ndarray, rid: np.ndarray, keep: np.ndarray, dim: int, request: dict[str, Any],
+                 after: Callable[..., Iterator[None]]) -> None:
+        self.dim, self.request, self.after = dim, request, after
+        self.done, self.cpu_s = False, float("nan")
+        self._proc: subprocess.Popen | None = None
+        self._dir = tempfile.mkdtemp(prefix="hieragent-index-")  # not /dev/shm: containers cap it at 64 MB
+        self._steps = self._run(buf, rid, keep)
+
+    def advance(self, seconds: float) -> None:
+        """Work on the rebuild for about ``seconds`` (the child runs only inside this call)."""
+        deadline = time.perf_counter() + seconds
+        while not self.done:  # at least one slice, however short the loan
+            if self._step() == CHILD:
+                self._lend(deadline - time.perf_counter())
+            if time.perf_counter() >= deadline:
+                return
+
+    def finish(self) -> None:
+        while not self.done:
+            if self._step() == CHILD:
+                self._lend(None)
+
+    def close(self) -> None:
+        """Stop the child (if any) and free the shared files."""
+        _kill(self._proc, self._dir)
+
+    def _step(self) -> str | None:
+        try:
+            return next(self._steps)
+        except StopIteration:
+            self.done = True
+            return None
+        except BaseException:
+            self.done = True
+            self.close()
+            raise
+
+    def _lend(self, seconds: float | None) -> None:
+        """Let the child run for ``seconds`` (None: until it exits), then stop it."""
+        proc = self._proc
+        assert proc is not None
+        proc.send_signal(signal.SIGCONT)
+        try:
+            proc.wait(timeout=None if seconds is None else max(seconds, 0.0))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGSTOP)
+
+    def _run(self, buf: np.ndarray, rid: np.ndarray, keep: np.ndarray) -> Iterator[str | None]:
+        m, dim = len(keep), self.dim
+        size = rows_capacity(m) * dim * 4
+        fd = os.memfd_create("hieragent-index-keys")
+        try:
+            os.ftruncate(fd, size)
+            shared = np.frombuffer(mmap.mmap(fd, size), dtype=np.float32).reshape(-1, dim)
+            new_buf, new_rid = new_rows(m, dim, shared)
+            yield from copy_live(buf, rid, keep, new_buf, new_rid)  # into memory the child maps
+            with open(os.path.join(self._dir, "request.pkl"), "wb") as f:
+                pickle.dump({**self.request, "m": m, "dim": dim}, f, protocol=pickle.HIGHEST_PROTOCOL)
+            with open(os.path.join(self._dir, "stderr"), "wb") as err:
+                self._proc = subprocess.Popen([sys.executable, "-m", "hieragent.memory.lent", self._dir, str(fd)],
+                                              pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=err, stderr=err)
+            self._proc.send_signal(signal.SIGSTOP)  # it runs on loans only (its imports included)
+            weakref.finalize(self, _kill, self._proc, self._dir)  # an index dropped mid-build leaves nothing
+            while self._proc.poll() is None:
+                yield CHILD
+        finally:
+            os.close(fd)  # the mapping stays
+        if self._proc.returncode != 0:
+            with open(os.path.join(self._dir, "stderr"), encoding="utf-8", errors="replace") as f:
+                tail = f.read()[-2000:]
+            raise RuntimeError(f"the index build process exited with {self._proc.returncode}:\n{tail}")
+        with open(os.path.join(self._dir, "result.pkl"), "rb") as f:
+            out = pickle.load(f)
+        self.close()
+        self.cpu_s = out["cpu_s"]
+        index = faiss.deserialize_index(out["index"])
+        template = faiss.deserialize_index(out["template"]) if out["template"] is not None else None
+        yield None
+        assign = out["assign"]
+        if assign is not None:  # ivf_flat: fill the trained, empty index's lists here, a slice at a time
+            for s in range(0, m, CHUNK):
+                e = min(s + CHUNK, m)
+                x, ids, lists = new_buf[s:e], np.arange(s, e, dtype=np.int64), np.ascontiguousarray(assign[s:e])
+                index.add_core(e - s, faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(lists))
+                yield None
+        yield from self.after(m, out["kind"], index, template, out["trained_at"], out["tuned"], out["note"], new_buf,
+                              new_rid)
+
+
+def _kill(proc: subprocess.Popen | None, workdir: str) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def list_of_rows(index: faiss.Index, m: int) -> np.ndarray:
+    """The inverted list of each of ``m`` rows of an IVF index labelled by rows."""
+    assign = np.full(m, -1, dtype=np.int64)
+    lists = index.invlists
+    for li in range(index.nlist):
+        size = lists.list_size(li)
+        if size:
+            assign[faiss.rev_swig_ptr(lists.get_ids(li), size)] = li
+    return assign
+
+
+def child(workdir: str, fd: int) -> None:
+    """The child: build what the request asks over the shared keys; write ``result.pkl``."""
+    from hieragent.memory import autotune
+
+    with contextlib.suppress(OSError, AttributeError):  # die with the caller (Linux)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    autotune.CLOCK = time.process_time  # stopped between loans: wall time would count the stops
+    with open(os.path.join(workdir, "request.pkl"), "rb") as f:
+        req = pickle.load(f)
+    m, dim = req["m"], req["dim"]
+    keys = np.frombuffer(mmap.mmap(fd, 0, prot=mmap.PROT_READ), dtype=np.float32).reshape(-1, dim)[:m]
+    template = faiss.deserialize_index(req["template"]) if req["template"] is not None else None
+    cpu = time.process_time()
+    kind, index, template, trained_at, tuned, note = index_over(
+        keys, req["kind"], req["spec"], req["tuned"], template, req["trained_at"], req["tune"], req["queries"])
+    assign = None
+    if kind == "ivf_flat":
+        assign = list_of_rows(index, m)
+        index = faiss.clone_index(template)  # the caller fills the lists
+    out = {"kind": kind, "index": faiss.serialize_index(index), "assign": assign, "trained_at": trained_at,
+           "template": None if template is None else faiss.serialize_index(template), "tuned": tuned,
+           "note": note, "cpu_s": time.process_time() - cpu}
+    tmp = os.path.join(workdir, "result.pkl.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(out, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, os.path.join(workdir, "result.pkl"))
+
+
+def request(spec: IndexSpec, kind: str, tuned: dict[str, int], template: faiss.Index | None, trained_at: int,
+            tune: bool, queries: np.ndarray | None) -> dict[str, Any]:
+    return {"spec": spec, "kind": kind, "tuned": dict(tuned), "trained_at": trained_at, "tune": tune,
+            "queries": queries, "template": None if template is None else faiss.serialize_index(template)}
+
+
+if __name__ == "__main__":
+    try:
+        child(sys.argv[1], int(sys.argv[2]))
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)

@@ -1,0 +1,103 @@
+"""Index rebuilds on loans (``lent.py``): a real child process that runs only while lent time,
+a real SIGKILL of it, and an index dropped mid-build."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from hieragent.memory import lent
+from hieragent.memory.index import IndexSpec, KeyIndex
+
+from index_helpers import D, brute_force, clustered, recall
+
+pytestmark = pytest.mark.skipif(not lent.available(), reason="loans need Linux's memfd and stop signals")
+
+SPEC = IndexSpec(kind="ivf_flat", nlist=16, nprobe=16, train_per_list=39, background_from=0, build_loan=0.25)
+
+
+def proc_stat(pid: int) -> tuple[str, int]:
+    """``(state, CPU ticks)`` of a process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[11]) + int(fields[12])
+
+
+def started(index: KeyIndex) -> int:
+    """Lend until the build's process exists; its pid."""
+    while index._job.lent._proc is None:
+        index.lend(0.001)
+    return index._job.lent._proc.pid
+
+
+@pytest.fixture()
+def keys():
+    rng = np.random.default_rng(3)
+    return clustered(rng, 3000), rng.permutation(10_000)[:3000].astype(np.int64), clustered(rng, 32)
+
+
+def test_a_lent_build_takes_cpu_only_on_loans_and_loses_no_entry(keys):
+    x, ids, q = keys
+    index = KeyIndex(D, SPEC)
+    index.add(ids[:700], x[:700])  # 16 lists x 39 keys: training starts, in a process on loans
+    assert index.active == "flat" and index.building == "ivf_flat"
+    pid = started(index)
+    workdir = index._job.lent._dir
+    time.sleep(0.2)  # a stop signal takes effect when the process next runs
+    state, ticks = proc_stat(pid)
+    time.sleep(0.5)  # no loan: the process stays stopped and spends nothing
+    assert state == "T" and proc_stat(pid) == ("T", ticks)
+    index.add(ids[700:2000], x[700:2000])  # meanwhile adds, removals and exact searches go on
+    index.remove(ids[:50])
+    index.remove(ids[1950:2000])  # added after the snapshot, then removed
+    live = dict(zip(ids[50:1950].tolist(), x[50:1950]))
+    truth, _ = brute_force(x[50:1950], ids[50:1950], q, 10)
+    assert recall(index.search(q, 10)[0], truth) == 1.0
+    loans = 0
+    while index.building:
+        index.lend(0.02)
+        loans += 1
+    assert index.active == "ivf_flat" and loans > 1 and index.trained_at == 700
+    assert not os.path.exists(workdir) and index.last_build[1] > 0  # the process's CPU seconds
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert set(index.ids().tolist()) == set(live)
+    assert index.reconstruct(ids[50:1950]).tobytes() == x[50:1950].tobytes()
+    found, scores = index.search(q, 10)
+    assert recall(found, truth) >= 0.95
+    near = index.reconstruct(found.ravel()).reshape(*found.shape, D).astype(np.float64)
+    np.testing.assert_allclose(scores, np.einsum("bd,bkd->bk", q.astype(np.float64), near), atol=1e-5)
+
+
+def test_a_killed_build_process_says_so_and_keeps_the_old_index(keys):
+    x, ids, q = keys
+    index = KeyIndex(D, SPEC)
+    index.add(ids[:1000], x[:1000])
+    pid = started(index)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"building ivf_flat failed.*exited with -9.*flat index over every key"):
+        index.wait()
+    assert index.active == "flat" and len(index) == 1000 and index.building is None
+    truth, _ = brute_force(x[:1000], ids[:1000], q, 10)
+    assert recall(index.search(q, 10)[0], truth) == 1.0
+    index.add(ids[1000:1001], x[1000:1001])  # the next add starts a fresh build, which finishes
+    index.wait()
+    assert index.active == "ivf_flat" and len(index) == 1001
+
+
+def test_an_index_dropped_mid_build_leaves_no_process(keys):
+    x, ids, _ = keys
+    index = KeyIndex(D, SPEC)
+    index.add(ids[:1000], x[:1000])
+    pid = started(index)
+    workdir = index._job.lent._dir
+    del index
+    gc.collect()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not os.path.exists(workdir)

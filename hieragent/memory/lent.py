@@ -64,7 +64,7 @@ class LentBuild:
         self.dim, self.request, self.after = dim, request, after
         self.done, self.cpu_s = False, float("nan")
         self._proc: subprocess.Popen | None = None
-        self._dir = tempfile.mkdtemp(prefix="hieragent-index-")  # not /dev/shm: containers cap it at 64 MB
+        self._dir: str | None = None  # made just before the child, so a build dropped sooner leaves nothing
         self._steps = self._run(buf, rid, keep)
 
     def advance(self, seconds: float) -> None:
@@ -115,6 +115,7 @@ class LentBuild:
             shared = np.frombuffer(mmap.mmap(fd, size), dtype=np.float32).reshape(-1, dim)
             new_buf, new_rid = new_rows(m, dim, shared)
             yield from copy_live(buf, rid, keep, new_buf, new_rid)  # into memory the child maps
+            self._dir = tempfile.mkdtemp(prefix="hieragent-index-")  # not /dev/shm: containers cap it at 64 MB
             with open(os.path.join(self._dir, "request.pkl"), "wb") as f:
                 pickle.dump({**self.request, "m": m, "dim": dim}, f, protocol=pickle.HIGHEST_PROTOCOL)
             with open(os.path.join(self._dir, "stderr"), "wb") as err:
@@ -148,11 +149,12 @@ class LentBuild:
                               new_rid)
 
 
-def _kill(proc: subprocess.Popen | None, workdir: str) -> None:
+def _kill(proc: subprocess.Popen | None, workdir: str | None) -> None:
     if proc is not None and proc.poll() is None:
         proc.kill()
         proc.wait()
-    shutil.rmtree(workdir, ignore_errors=True)
+    if workdir is not None:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def list_of_rows(index: faiss.Index, m: int) -> np.ndarray:

@@ -101,3 +101,6 @@ def test_an_index_dropped_mid_build_leaves_no_process(keys):
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert not os.path.exists(workdir)
+    early = KeyIndex(D, IndexSpec(**{**SPEC.__dict__, "nlist": 4, "train_per_list": 39}))
+    early.add(ids[:200], x[:200])  # 4 lists x 39 keys: a build starts; before its first loan, no folder nor process
+    assert early.building == "ivf_flat" and early._job.lent._dir is None and early._job.lent._proc is None

@@ -37,7 +37,7 @@ from rich.table import Table
 
 from hieragent.memory.adapter import QueryAdapter
 from hieragent.memory.bank import FORMAT_VERSION, MemoryBank
-from hieragent.memory.index import IVF_KINDS, IndexSpec
+from hieragent.memory.index import IndexSpec, trains
 from hieragent.memory.retrieval import sample_retrievals
 
 TURNS = 128  # planner turns per rollout batch (32 episodes of about 4 planner turns)
@@ -204,8 +204,8 @@ def stall(state: dict, draw: Callable[[int], np.ndarray], mode: str, seed: int,
     bank = MemoryBank(capacity=n + 100 * EPISODES, index=spec)
     bank.load_state_dict(state)
     index = bank._index
-    if index.active not in IVF_KINDS:
-        # nothing to retrain (a graph): measure its rebuild, a compaction, once ~4 updates of
+    if not trains(index.active, index.spec, index.dim, index.tuned):
+        # nothing to retrain (a graph of full keys): measure its rebuild, a compaction, once ~4 updates of
         # evictions from the full bank have left that many dead rows
         bank.capacity = n
         spec = dataclasses.replace(spec, compact_fraction=4 * EPISODES / n)

@@ -19,7 +19,11 @@ its nearest other keys, which is easier: on MiniLM keys 0.988 where fresh texts 
    * ``ivf_fastscan``: IVF with 4-bit fast-scan PQ codes of an eighth and of half the key
      dimension in sub-quantizers, ``rerank * k`` candidates re-scored from the exact keys
      (``nprobe`` x ``rerank``);
-   * ``hnsw``: a graph of degree 16 and of 32 (``ef_search``).
+   * ``hnsw``: a graph of degree 16 and of 32 (``ef_search``), over the full keys and over their
+     projection onto a quarter of the dimension's top principal directions, whose candidates
+     are re-scored (``ef_search`` x ``rerank``). On MiniLM keys the projected graph walks at a
+     quarter of the cost per step and its recall barely moves: the keys of templated text
+     span few directions.
 
    A sample is sparser than the bank, so its neighbours are farther and the absolute recall it
    shows can be far below the bank's (a 100k sample of 1M clustered keys tops out at 0.87). The
@@ -51,8 +55,8 @@ import faiss
 import numpy as np
 
 from hieragent.io import atomic_write_text, cache_dir
-from hieragent.memory.index import (IVF_KINDS, QUERIES_KEPT, STRUCTURE, IndexSpec, auto_nlist, search_params,
-                                    search_rows, trained_index)
+from hieragent.memory.index import (IVF_KINDS, QUERIES_KEPT, STRUCTURE, IndexSpec, auto_nlist, reranked,
+                                    search_params, search_rows, trained_index)
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +65,12 @@ GRID: dict[str, tuple[dict[str, int], ...]] = {
     "ivf_flat": tuple({"nprobe": p} for p in (2, 4, 8, 16, 32, 64)),
     "ivf_fastscan": tuple({"nprobe": p, "rerank": r} for p in (2, 4, 8, 16, 32) for r in (2, 5, 10, 20)),
     "hnsw": tuple({"ef_search": e} for e in (10, 12, 16, 24, 32, 64, 128)),
+    "hnsw_projected": tuple({"ef_search": e, "rerank": r} for e in (10, 12, 16, 24, 32, 64) for r in (1, 2, 4)),
 }
 HNSW_M = (16, 32)
+PROJECT = 4  # the projected graph holds keys in a quarter of their dimension
+MIN_PROJECTED = 32  # and only where that leaves at least this many
+CANDIDATES_VERSION = 2  # part of the cache key: a cached choice predates candidates added since
 SAMPLE = 100_000
 QUERIES = QUERIES_KEPT
 MIN_QUERIES = 64  # recent queries needed to measure on them rather than on keys
@@ -88,7 +96,7 @@ def cpu_name() -> str:
 
 def machine_key(dim: int, spec: IndexSpec) -> str:
     return (f"{cpu_name()} | {os.cpu_count()} cpus | faiss {faiss.__version__} | dim {dim} | "
-            f"fastscan_m {spec.fastscan_m or 'swept'}")
+            f"fastscan_m {spec.fastscan_m or 'swept'} | candidates v{CANDIDATES_VERSION}")
 
 
 def cache_file():
@@ -112,8 +120,9 @@ def _read_cache() -> dict[str, Any]:
 def structures(dim: int, spec: IndexSpec) -> list[tuple[str, dict[str, int]]]:
     """``(kind, build-time settings)`` of each candidate."""
     ms = [spec.fastscan_m] if spec.fastscan_m else sorted({m for m in (dim // 8, dim // 2) if m and dim % m == 0})
+    dims = [0] + ([dim // PROJECT] if dim // PROJECT >= MIN_PROJECTED else [])
     return [("ivf_flat", {}), *(("ivf_fastscan", {"fastscan_m": m}) for m in ms),
-            *(("hnsw", {"hnsw_m": m}) for m in HNSW_M)]
+            *(("hnsw", {"hnsw_m": m, "hnsw_dim": d}) for d in dims for m in HNSW_M)]
 
 
 def exact_top(keys: np.ndarray, q: np.ndarray, k: int, exclude: np.ndarray | None = None) -> np.ndarray:
@@ -143,19 +152,24 @@ def _fastest_of(fn: Callable[[], object], reps: int = 3) -> float:
     return best
 
 
-def sweep(index: faiss.Index, kind: str, keys: np.ndarray, q: np.ndarray, truth: np.ndarray,
-          exclude: np.ndarray | None = None) -> list[dict[str, Any]]:
-    """Latency of a batch and recall@K of every ``GRID`` setting of ``index`` (rows of ``keys``)."""
+def grid(kind: str, structure: dict[str, int], spec: IndexSpec, dim: int) -> tuple[dict[str, int], ...]:
+    """The search settings ``sweep`` tries on a structure."""
+    return GRID["hnsw_projected" if kind == "hnsw" and reranked(kind, spec, dim, structure) else kind]
+
+
+def sweep(index: faiss.Index, kind: str, structure: dict[str, int], spec: IndexSpec, keys: np.ndarray,
+          q: np.ndarray, truth: np.ndarray, exclude: np.ndarray | None = None) -> list[dict[str, Any]]:
+    """Latency of a batch and recall@K of every ``grid`` setting of ``index`` (rows of ``keys``)."""
     out = []
     n = K + (exclude is not None)
-    for setting in GRID[kind]:
+    for setting in grid(kind, structure, spec, keys.shape[1]):
         if kind != "hnsw" and setting["nprobe"] > index.nlist:  # the same as probing every list
             continue
         params = search_params(index, kind, setting.get("nprobe", 1), setting.get("ef_search", 1))
-        rerank = setting.get("rerank", 1)
+        rerank = setting.get("rerank", 0)
 
         def search() -> np.ndarray:
-            return search_rows(index, kind, keys, q, n, params, rerank)[1][:, :n]
+            return search_rows(index, keys, q, n, params, rerank)[1][:, :n]
 
         found = search()
         seconds = _fastest_of(search)
@@ -184,7 +198,7 @@ def measure_sample(keys: np.ndarray, spec: IndexSpec, make_on: Callable[[np.ndar
         index = make(kind, structure)
         if index is None:  # too few keys to train this kind
             continue
-        out["settings"] += [{"kind": kind, **structure, **r} for r in sweep(index, kind, x, q, truth)]
+        out["settings"] += [{"kind": kind, **structure, **r} for r in sweep(index, kind, structure, spec, x, q, truth)]
         del index
     return out
 
@@ -214,7 +228,7 @@ def decide(measured: dict[str, Any]) -> dict[str, Any]:
     return {"kind": kind, **structure}
 
 
-def tune(index: faiss.Index, kind: str, keys: np.ndarray,
+def tune(index: faiss.Index, kind: str, structure: dict[str, int], spec: IndexSpec, keys: np.ndarray,
          queries: np.ndarray | None = None) -> tuple[dict[str, int], dict[str, Any]]:
     """Stage 2: the search settings of ``index`` over ``keys``, measured with the bank's recent
     ``queries`` (at least ``MIN_QUERIES``), else with ``QUERIES`` of the keys as queries, each
@@ -225,7 +239,7 @@ def tune(index: faiss.Index, kind: str, keys: np.ndarray,
         rows = np.sort(np.random.default_rng(1).choice(len(keys), min(QUERIES, len(keys)), replace=False))
         q, asked = np.ascontiguousarray(keys[rows]), f"{len(rows)} of them as queries"
     truth = exact_top(keys, q, K, exclude=rows)
-    results = sweep(index, kind, keys, q, truth, exclude=rows)
+    results = sweep(index, kind, structure, spec, keys, q, truth, exclude=rows)
     good = [r for r in results if r["recall"] >= RECALL]
     best = min(good, key=lambda r: r["ms"]) if good else max(results, key=lambda r: r["recall"])
     return {k: v for k, v in best.items() if k not in ("ms", "recall")}, {"keys": len(keys), "asked": asked,
@@ -276,7 +290,7 @@ def build(keys: np.ndarray, spec: IndexSpec, make: Make,
             break
         kind, structure = queue.pop(0)
         index = make(kind, structure)
-        settings, tuned_on = tune(index, kind, keys, queries)
+        settings, tuned_on = tune(index, kind, structure, spec, keys, queries)
         tried.append((kind, structure, index, settings, tuned_on))
         if tuned_on["best"]["recall"] >= RECALL:
             break

@@ -11,7 +11,11 @@ them, so switching from flat to IVF (or back) loses nothing. Index types (``Inde
     it retrains when the bank has grown ``retrain_growth`` times past its last training.
     PQ candidates (``rerank * n`` of them) are re-scored with the exact keys, so every
     score is an exact cosine.
-  * ``hnsw``: a graph index (``IndexHNSWFlat``).
+  * ``hnsw``: a graph index (``IndexHNSWFlat``); with ``hnsw_dim`` the graph holds the keys
+    projected onto their ``hnsw_dim`` top principal directions (``IndexPreTransform``), each
+    step of the walk costs that much less, and ``rerank * n`` candidates are re-scored with the
+    exact keys. The projection is learned from the keys, like an IVF quantizer, and relearned
+    on the same schedule.
   * ``auto``: exact below ``auto_threshold`` entries; from there the approximate kind this
     machine does best, measured once on the bank's own keys and cached (``autotune.py``).
 
@@ -56,10 +60,11 @@ log = logging.getLogger(__name__)
 
 INDEX_KINDS = ("flat", "ivf_flat", "ivf_pq", "ivf_fastscan", "hnsw", "auto")
 IVF_KINDS = ("ivf_flat", "ivf_pq", "ivf_fastscan")
-RERANKED = ("ivf_pq", "ivf_fastscan")
-STRUCTURE = ("fastscan_m", "hnsw_m")  # what auto's ``tuned`` fixes at build time; the rest are search settings
+RERANKED = ("ivf_pq", "ivf_fastscan")  # and a projected graph (``hnsw_dim``): their scores are approximate
+STRUCTURE = ("fastscan_m", "hnsw_m", "hnsw_dim")  # what auto's ``tuned`` fixes at build time; the rest are search settings
 BLAS_MIN_BATCH = 16  # batches at least this large take FAISS's BLAS path in exact search
 TRAIN_PER_LIST_MAX = 64  # IVF trains its quantizer on at most this many keys per list
+PROJECTION_SAMPLE = 50_000  # keys a graph's projection is learned from, at most
 # rows per call while (re)building: numpy copies and dict updates hold the GIL, so a background
 # build does its Python-side work in slices of a few milliseconds and the step is never blocked long
 CHUNK = 8192
@@ -85,8 +90,13 @@ class IndexSpec:
         pq_m: Sub-quantizers of IVF-PQ (must divide the key dimension), 8 bits each.
         fastscan_m: Sub-quantizers of the 4-bit fast-scan PQ; 0 is an eighth of the dimension
             (48 x 4 bits at 384: recall@10 0.99 with ``rerank`` 10 at 1M keys, bench-memory).
-        rerank: PQ kinds fetch ``rerank * n`` candidates and re-score them exactly.
+        rerank: Kinds whose scores are approximate (PQ, a projected graph) fetch ``rerank * n``
+            candidates and re-score them exactly.
         hnsw_m: Graph degree of HNSW.
+        hnsw_dim: 0: HNSW holds the full keys; else it holds their projection onto this many
+            top principal directions (uncentred: inner products are what it keeps), and its
+            candidates are re-scored. On MiniLM keys a graph at 96 of 384 dimensions searches
+            about twice as fast at about the same recall (``make bench-memory``).
         ef_search: HNSW search breadth.
         auto_threshold: Size at which ``auto`` leaves exact search for its measured choice.
         compact_fraction: Rebuild over the live rows once removed rows pass this share.
@@ -112,6 +122,7 @@ class IndexSpec:
     fastscan_m: int = 0
     rerank: int = 10
     hnsw_m: int = 32
+    hnsw_dim: int = 0
     ef_search: int = 128
     auto_threshold: int = 50_000
     compact_fraction: float = 0.25
@@ -125,7 +136,7 @@ class IndexSpec:
         for name in ("nprobe", "train_per_list", "pq_m", "rerank", "hnsw_m", "ef_search", "auto_threshold"):
             if getattr(self, name) < 1:
                 raise ValueError(f"memory.index.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("nlist", "fastscan_m", "background_from"):
+        for name in ("nlist", "fastscan_m", "hnsw_dim", "background_from"):
             if getattr(self, name) < 0:
                 raise ValueError(f"memory.index.{name} must be >= 0, got {getattr(self, name)}")
         if self.retrain_growth <= 1:
@@ -187,11 +198,48 @@ def empty_index(kind: str, dim: int, spec: IndexSpec, nlist: int, tuned: dict[st
 
 def trained_index(kind: str, keys: np.ndarray, spec: IndexSpec, tuned: dict[str, int] | None = None) -> faiss.Index:
     """An empty index of ``kind`` for ``keys``: IVF kinds with ``spec.nlist`` (else about
-    ``4 * sqrt(len(keys))``) lists trained on a sample of them."""
+    ``4 * sqrt(len(keys))``) lists trained on a sample of them; a projected graph behind the
+    projection learned from them."""
+    d = projected_dim(spec, keys.shape[1], tuned)
+    if kind == "hnsw" and d:
+        graph = faiss.IndexHNSWFlat(d, (tuned or {}).get("hnsw_m", spec.hnsw_m), faiss.METRIC_INNER_PRODUCT)
+        return faiss.IndexPreTransform(projection(keys, d), graph)  # the wrapper keeps both alive
     index = empty_index(kind, keys.shape[1], spec, spec.nlist or auto_nlist(len(keys)), tuned)
     if kind in IVF_KINDS:
         index.train(train_sample(keys, np.arange(len(keys)), index.nlist))
     return index
+
+
+def projected_dim(spec: IndexSpec, dim: int, tuned: dict[str, int] | None = None) -> int:
+    """The dimension an HNSW graph holds its keys in, 0 where it holds them whole."""
+    d = (tuned or {}).get("hnsw_dim", spec.hnsw_dim)
+    return d if 0 < d < dim else 0
+
+
+def trains(kind: str, spec: IndexSpec, dim: int, tuned: dict[str, int] | None = None) -> bool:
+    """Whether ``kind`` learns from the keys (IVF's quantizer, a graph's projection), so it is
+    relearned when the bank has grown ``retrain_growth`` times, and compactions re-add into it."""
+    return kind in IVF_KINDS or (kind == "hnsw" and projected_dim(spec, dim, tuned) > 0)
+
+
+def reranked(kind: str, spec: IndexSpec, dim: int, tuned: dict[str, int] | None = None) -> bool:
+    """Whether ``kind``'s own scores are approximate, so its candidates are re-scored exactly."""
+    return kind in RERANKED or (kind == "hnsw" and projected_dim(spec, dim, tuned) > 0)
+
+
+def projection(keys: np.ndarray, d: int) -> faiss.LinearTransform:
+    """The map of keys ``[N, D]`` onto the ``d`` top eigenvectors of their second moment (of at
+    most ``PROJECTION_SAMPLE`` of them): not centred as PCA is, since a centred projection keeps
+    distances but shifts each key's inner products by its own share of the mean."""
+    if len(keys) > PROJECTION_SAMPLE:
+        keys = keys[np.sort(np.random.default_rng(0).choice(len(keys), PROJECTION_SAMPLE, replace=False))]
+    x = keys.astype(np.float64)
+    _, vecs = np.linalg.eigh(x.T @ x)  # ascending eigenvalues
+    top = np.ascontiguousarray(vecs[:, ::-1][:, :d].T, dtype=np.float32)  # [d, D]
+    transform = faiss.LinearTransform(keys.shape[1], d, False)
+    faiss.copy_array_to_vector(top.ravel(), transform.A)
+    transform.is_trained = True
+    return transform
 
 
 def fastscan_m(spec: IndexSpec, dim: int) -> int:
@@ -237,18 +285,22 @@ def search_params(index: faiss.Index, kind: str, nprobe: int, ef_search: int,
     if kind == "flat":
         return None if sel is None else faiss.SearchParameters(sel=sel)
     if kind == "hnsw":
-        return faiss.SearchParametersHNSW(efSearch=ef_search, sel=sel)
+        graph = faiss.SearchParametersHNSW(efSearch=ef_search, sel=sel)
+        if isinstance(index, faiss.IndexPreTransform):  # the keyword form keeps a reference to ``graph``
+            return faiss.SearchParametersPreTransform(index_params=graph)
+        return graph
     return faiss.SearchParametersIVF(nprobe=min(nprobe, index.nlist), sel=sel)
 
 
-def search_rows(index: faiss.Index, kind: str, buf: np.ndarray, q: np.ndarray, n: int,
-                params: faiss.SearchParameters | None, rerank: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-``n`` ``(scores, rows)`` of ``index`` (of ``kind``, labelled by rows of ``buf``) for
-    ``q``, PQ candidates re-scored exactly; ``[B, >= n]``, rows -1 where the index found too few."""
-    fetch = min(n * rerank if kind in RERANKED else n, index.ntotal)
+def search_rows(index: faiss.Index, buf: np.ndarray, q: np.ndarray, n: int,
+                params: faiss.SearchParameters | None, rerank: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``n`` ``(scores, rows)`` of ``index`` (labelled by rows of ``buf``) for ``q``; with
+    ``rerank``, ``rerank * n`` candidates re-scored exactly (0: the index's scores are exact);
+    ``[B, >= n]``, rows -1 where the index found too few."""
+    fetch = min(n * max(rerank, 1), index.ntotal)
     with blas_search(len(q)):  # IVF's coarse quantizer is a flat index too: 4x faster on BLAS at 128 queries
         scores, rows = index.search(q, fetch, params=params)
-    return rescore(buf, q, rows, n) if kind in RERANKED else (scores, rows)
+    return rescore(buf, q, rows, n) if rerank else (scores, rows)
 
 
 def new_rows(m: int, dim: int, buf: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -293,10 +345,10 @@ def index_over(keys: np.ndarray, kind: str, spec: IndexSpec, tuned: dict[str, in
     note, tuned = "", dict(tuned)
 
     def make(kind: str, tuned: dict[str, int]) -> faiss.Index:
-        """A new index of ``kind`` over ``keys``, trained on them where it is IVF."""
+        """A new index of ``kind`` over ``keys``, trained on them where it learns (IVF, a projected graph)."""
         nonlocal template, trained_at
         index = trained_index(kind, keys, spec, tuned)
-        if kind in IVF_KINDS:
+        if trains(kind, spec, keys.shape[1], tuned):
             trained_at, template = m, faiss.clone_index(index)
         for s in range(0, m, 8 * CHUNK):  # FAISS releases the GIL: larger slices
             index.add(keys[s:min(s + 8 * CHUNK, m)])
@@ -372,6 +424,9 @@ class KeyIndex:
             raise ValueError(f"memory.index.pq_m={self.spec.pq_m} must divide the key dimension {dim}")
         if self.spec.kind == "ivf_fastscan" and dim % fastscan_m(self.spec, dim):
             raise ValueError(f"memory.index.fastscan_m={self.spec.fastscan_m} must divide the key dimension {dim}")
+        if self.spec.hnsw_dim >= dim:
+            raise ValueError(f"memory.index.hnsw_dim={self.spec.hnsw_dim} must be below the key dimension {dim} "
+                             f"(0: the graph holds the full keys)")
         self._buf = np.zeros((0, dim), dtype=np.float32)  # [capacity, D]; rows [:_n] hold keys
         self._rid = np.zeros(0, dtype=np.int64)  # [capacity], the id of each row
         self._live = np.zeros(0, dtype=bool)  # [capacity]
@@ -411,6 +466,9 @@ class KeyIndex:
 
     @property
     def rerank(self) -> int:
+        """Candidates per result re-scored exactly; 0 where the index's scores are exact."""
+        if not reranked(self.active, self.spec, self.dim, self.tuned):
+            return 0
         return self.tuned.get("rerank", self.spec.rerank)
 
     @property
@@ -443,7 +501,7 @@ class KeyIndex:
         if n == 0:
             return np.zeros((len(q), 0), dtype=np.int64), np.zeros((len(q), 0), dtype=np.float32)
         params, _selector = self._params()
-        scores, rows = search_rows(self._faiss, self.active, self._buf, q, n, params, self.rerank)
+        scores, rows = search_rows(self._faiss, self._buf, q, n, params, self.rerank)
         short = (rows[:, :n] < 0).any(axis=1)
         if short.any():
             rows, scores = rows[:, :n].copy(), scores[:, :n].copy()
@@ -770,7 +828,8 @@ class KeyIndex:
         return wanted_kind(self.spec, len(self), self.auto_kind)
 
     def _needs_retrain(self) -> bool:
-        return self.active in IVF_KINDS and len(self) >= self.spec.retrain_growth * max(self.trained_at, 1)
+        return (trains(self.active, self.spec, self.dim, self.tuned)
+                and len(self) >= self.spec.retrain_growth * max(self.trained_at, 1))
 
     # ---- persistence ---------------------------------------------------------------------
     def state(self) -> dict:
@@ -813,7 +872,7 @@ class KeyIndex:
                 index._row = dict(zip(ids.tolist(), np.flatnonzero(live).tolist()))
                 index._faiss, index.active = loaded, want
                 index.trained_at = int(state.get("trained_at", len(ids)))
-                if want in IVF_KINDS:  # compactions re-add into a trained, empty copy
+                if trains(want, spec, dim, index.tuned):  # compactions re-add into a trained, empty copy
                     index._template = faiss.clone_index(loaded)
                     index._template.reset()
                 return index

@@ -35,6 +35,9 @@ def test_bench_prints_every_index_and_exact_paths_agree(capsys):
     fastscan = [r for r in rows if r.data == "clustered" and "x4fs" in r.index]
     assert len(fastscan) == 4 and {r.index for r in fastscan} == {"IVF128,PQ48x4fs", "IVF128,PQ192x4fs"}
     assert all(r.recall >= 0.9 for r in fastscan)  # re-scored exactly: near-exact
+    projected = [r for r in rows if r.data == "clustered" and r.index == "HNSW16 over 96 directions"]
+    assert [r.params for r in projected] == [f"efSearch {e}, re-scored" for e in (12, 16, 24)]
+    assert all(0 < r.recall <= 1 and r.batch_ms > 0 for r in projected)
 
 
 def test_upkeep_keeps_a_full_bank_full_and_a_background_retrain_never_stops_the_steps():

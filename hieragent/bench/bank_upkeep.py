@@ -37,7 +37,7 @@ from rich.table import Table
 
 from hieragent.memory.adapter import QueryAdapter
 from hieragent.memory.bank import FORMAT_VERSION, MemoryBank
-from hieragent.memory.index import IndexSpec, trains
+from hieragent.memory.structures import IndexSpec, trains
 from hieragent.memory.retrieval import sample_retrievals
 
 TURNS = 128  # planner turns per rollout batch (32 episodes of about 4 planner turns)

@@ -1,6 +1,6 @@
 """``make bench-memory``: which index should a large skill bank use, and what does its upkeep cost?
 
-The bank (``hieragent/memory/index.py``) searches what ``memory.index`` asks for, by default
+The bank (``hieragent/memory/index.py``, ``structures.py``) searches what ``memory.index`` asks for, by default
 exact ``IndexFlatIP`` with BLAS batches below 50k keys and above it the approximate kind this
 machine measured best (``memory/autotune.py``; the run measures afresh for each data set, in a
 temporary cache);
@@ -67,7 +67,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from hieragent.bench import bank_upkeep
-from hieragent.memory.index import IndexSpec, KeyIndex, auto_nlist
+from hieragent.memory.index import KeyIndex
+from hieragent.memory.structures import IndexSpec, auto_nlist
 from hieragent.precision import matmul_peak
 
 try:  # threadpoolctl arrives with scikit-learn (via sentence-transformers), not as our own dependency

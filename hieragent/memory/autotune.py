@@ -55,8 +55,9 @@ import faiss
 import numpy as np
 
 from hieragent.io import atomic_write_text, cache_dir
-from hieragent.memory.index import (IVF_KINDS, QUERIES_KEPT, STRUCTURE, IndexSpec, auto_nlist, reranked,
-                                    search_params, search_rows, trained_index)
+from hieragent.memory.index import QUERIES_KEPT
+from hieragent.memory.structures import (IVF_KINDS, STRUCTURE, IndexSpec, auto_nlist, reranked, search_params,
+                                         search_rows, trained_index)
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,8 @@
 Keys are L2-normalised embeddings of entry texts from a frozen encoder, so inner product is
 cosine and keys never need re-embedding; learning happens on the query side (``adapter.py``).
 The encoder loads lazily, so a bank rebuilt from a checkpoint costs no model load until it
-has to embed new text. Which FAISS index searches the keys is ``IndexSpec`` (``index.py``).
+has to embed new text. Which FAISS index searches the keys is ``IndexSpec`` (``structures.py``;
+the rows and rebuilds: ``index.py``).
 
 Entries are of three kinds: ``skill`` (how a successful episode went: its mission, subgoals
 and key observation), ``episodic`` (what happened in one episode) and ``lesson`` (what went
@@ -25,7 +26,8 @@ import torch
 from hieragent.io import iter_jsonl
 from hieragent.memory.encoder import MINILM, embed, embedding_dim, load_encoder
 from hieragent.memory.entries import KINDS, EntryTable
-from hieragent.memory.index import IndexSpec, KeyIndex
+from hieragent.memory.index import KeyIndex
+from hieragent.memory.structures import IndexSpec
 from hieragent.memory.store import COLUMNS, load_bank, save_bank
 
 FORMAT_VERSION = 3  # 3: the FAISS index labels rows (saved with them); 1 and 2 load, their index rebuilt

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hieragent.memory.index import IndexSpec
+from hieragent.memory.structures import IndexSpec
 
 
 @dataclass

@@ -7,7 +7,7 @@ import pytest
 
 from hieragent.bench import bank_upkeep
 from hieragent.bench.memory import EXACT, cluster_source, main, mission_texts, numpy_topk, recall_at_k
-from hieragent.memory.index import IndexSpec
+from hieragent.memory.structures import IndexSpec
 
 
 def test_bench_prints_every_index_and_exact_paths_agree(capsys):

@@ -12,7 +12,8 @@ import pytest
 
 from hieragent.memory import autotune
 from hieragent.memory.bank import MemoryBank
-from hieragent.memory.index import BLAS_MIN_BATCH, IndexSpec, KeyIndex, auto_nlist, blas_search
+from hieragent.memory.index import KeyIndex
+from hieragent.memory.structures import BLAS_MIN_BATCH, IndexSpec, auto_nlist, blas_search
 
 from index_helpers import D, brute_force, clustered, recall
 

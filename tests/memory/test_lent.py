@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from hieragent.memory import lent
-from hieragent.memory.index import IndexSpec, KeyIndex
+from hieragent.memory.index import KeyIndex
+from hieragent.memory.structures import IndexSpec
 
 from index_helpers import D, brute_force, clustered, recall
 

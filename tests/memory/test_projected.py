@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from hieragent.memory import autotune
-from hieragent.memory.index import IndexSpec, KeyIndex, projection
+from hieragent.memory.index import KeyIndex
+from hieragent.memory.structures import IndexSpec, projection
 
 from index_helpers import brute_force, recall
 

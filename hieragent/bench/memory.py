@@ -295,16 +295,25 @@ def bench(data: str, x: np.ndarray, q: np.ndarray, seed: int, hnsw_max: int, ivf
     return rows
 
 
+def built_index(spec: IndexSpec, x: np.ndarray, asked: np.ndarray | None = None) -> tuple[KeyIndex, float]:
+    """A bank ``KeyIndex`` of ``spec`` over ``x`` (ids = rows, so results compare with the truth),
+    asked ``asked`` first, and the seconds its build took (a background one included)."""
+    index = KeyIndex(DIM, spec)
+    if asked is not None:
+        index.search(asked, K)
+    t0 = time.perf_counter()
+    index.add(np.arange(len(x), dtype=np.int64), x)
+    index.wait()
+    return index, time.perf_counter() - t0
+
+
 def fastscan_rows(data: str, x: np.ndarray, q: np.ndarray, truth: np.ndarray) -> list[Row]:
     """The bank's ``ivf_fastscan`` index (4-bit PQ codes of 48 and 192 sub-quantizers, the top
     ``rerank * k`` re-scored exactly) at two nprobes."""
     rows = []
     for m in (DIM // 8, DIM // 2):
         spec = IndexSpec(kind="ivf_fastscan", background_from=10**12, train_per_list=1, fastscan_m=m)
-        index = KeyIndex(DIM, spec)
-        t0 = time.perf_counter()
-        index.add(np.arange(len(x), dtype=np.int64), x)
-        build = time.perf_counter() - t0
+        index, build = built_index(spec, x)
         if index.active != "ivf_fastscan":
             continue
         for nprobe in (8, 16):
@@ -320,10 +329,7 @@ def projected_rows(data: str, x: np.ndarray, q: np.ndarray, truth: np.ndarray) -
     """The bank's projected graph (``hnsw`` with ``hnsw_dim``): HNSW16 over the keys' quarter
     dimension of top principal directions, each of the k results re-scored with the exact keys."""
     spec = IndexSpec(kind="hnsw", hnsw_m=16, hnsw_dim=DIM // 4, rerank=1, background_from=10**12)
-    index = KeyIndex(DIM, spec)
-    t0 = time.perf_counter()
-    index.add(np.arange(len(x), dtype=np.int64), x)
-    build = time.perf_counter() - t0
+    index, build = built_index(spec, x)
     rows = []
     for ef in (12, 16, 24):
         index.spec = replace(spec, ef_search=ef)
@@ -339,13 +345,7 @@ def bank_index_row(data: str, x: np.ndarray, q: np.ndarray, truth: np.ndarray,
     exact FlatIP with BLAS batches below 50k keys, from there the kind this machine measured best,
     tuned on the queries the bank was ``asked`` before (other queries of the same source as ``q``,
     as a training run asks before its bank grows)."""
-    index = KeyIndex(DIM, IndexSpec())
-    if asked is not None:
-        index.search(asked, K)
-    t0 = time.perf_counter()
-    index.add(np.arange(len(x), dtype=np.int64), x)  # ids = rows, so results compare with truth
-    index.wait()
-    build = time.perf_counter() - t0
+    index, build = built_index(IndexSpec(), x, asked)
     params = ("flat, BLAS batches" if index.active == "flat" else
               ", ".join([index.active, *(f"{k} {v}" for k, v in index.tuned.items())]))
     row = measure(Row(data, len(x), "bank KeyIndex (auto)", params, build, note=index.auto_note),

@@ -37,9 +37,10 @@ bench-objective: install
 	$(BIN)/python -m hieragent.bench.objective
 
 # the machine's fp32/bf16 peaks, exact vs IVF/fast-scan/HNSW search at 10k-1M bank keys, the bank's
-# upkeep per update and the step stall across an index retrain (see hieragent/bench/memory.py)
+# upkeep per update and the step stall across an index retrain (see hieragent/bench/memory.py);
+# BENCH_ARGS='--isa avx2' measures as a machine without AMX and AVX-512 (hieragent/isa.py)
 bench-memory: install
-	$(BIN)/python -m hieragent.bench.memory
+	$(BIN)/python -m hieragent.bench.memory $(BENCH_ARGS)
 
 # the HF engine on GoToLocal, 8 and 32 envs, score/generate, with and without history, against
 # naive acting and the machine's matmul peak measured in the same run (see hieragent/bench/rollout.py)

@@ -8,6 +8,8 @@ CPU without AMX but with AVX512-BF16 is measured (a short matmul of each, about 
 a second) and gets bf16 only where it is clearly faster; any other CPU gets fp32. The
 choice is kept in ``HIERAGENT_PRECISION`` for the processes this one starts (DDP ranks),
 so that every rank trains in the same precision.
+
+An instruction-set cap (``hieragent.isa``) hides the flags it caps from the choice.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from hieragent.isa import visible_flags
 
 BF16_SPEEDUP = 1.5  # bf16 matmul over fp32 matmul needed to pick bf16 on a CPU without AMX
 ENV = "HIERAGENT_PRECISION"
@@ -98,7 +102,7 @@ def resolve_precision(
         acc = "cpu"  # Lightning's "auto" falls back to the CPU here (or to MPS, which has no AMX)
     if acc != "cpu":
         return "32-true", f"accelerator {accelerator!r}: no automatic choice, fp32 is safe"
-    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+    flags = visible_flags(read_cpu_flags()) if cpu_flags is None else cpu_flags
     if "amx_bf16" in flags:
         return "bf16-mixed", "CPU with AMX-BF16"
     if "avx512_bf16" in flags:

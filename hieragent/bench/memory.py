@@ -54,6 +54,7 @@ import math
 import multiprocessing
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -69,6 +70,7 @@ from rich.table import Table
 from hieragent.bench import bank_upkeep
 from hieragent.memory.index import KeyIndex
 from hieragent.memory.structures import IndexSpec, auto_nlist
+from hieragent.isa import ISA_CAPS, isa_cap, run_capped
 from hieragent.precision import matmul_peak
 
 try:  # threadpoolctl arrives with scikit-learn (via sentence-transformers), not as our own dependency
@@ -436,7 +438,9 @@ def machine_line() -> str:
 
     fp32 = matmul_peak(torch.float32)
     bf16 = matmul_peak(torch.bfloat16, size=512, seconds=0.5)
-    return (f"machine: {cpu_name()}, {os.cpu_count()} cpus; matmul peak fp32 {fp32:.0f} GFLOP/s, "
+    isa = isa_cap()
+    capped = f" capped at {isa} ({', '.join(f'{k}={v}' for k, v in ISA_CAPS[isa][0].items())})" if isa else ""
+    return (f"machine: {cpu_name()}{capped}, {os.cpu_count()} cpus; matmul peak fp32 {fp32:.0f} GFLOP/s, "
             f"bf16 {bf16:.1f} GFLOP/s (bf16/fp32 {bf16 / fp32:.2f}), measured in this run")
 
 
@@ -460,8 +464,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
                    help="skip the search rows: only the upkeep and stall tables (the bank at each size chooses its "
                         "index afresh)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, no encoder (for the test)")
+    p.add_argument("--isa", choices=sorted(ISA_CAPS), default=None,
+                   help="run as a machine without AMX and AVX-512 would (hieragent/isa.py): restarts this "
+                        "process with every library's instruction set capped")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    if a.isa:
+        run_capped(a.isa, "hieragent.bench.memory", sys.argv[1:] if argv is None else argv)
     if a.quick:
         a.sizes, a.minilm_sizes, a.uniform_size = [2000], [], 2000
     stall_n = max(a.sizes) if a.stall_size is None else a.stall_size

@@ -1,12 +1,16 @@
 """``make bench-memory`` runs end to end at toy sizes and prints every index row."""
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from hieragent.bench import bank_upkeep
 from hieragent.bench.memory import EXACT, cluster_source, main, mission_texts, numpy_topk, recall_at_k
+from hieragent.isa import ISA_ENV
 from hieragent.memory.structures import IndexSpec
 
 
@@ -38,6 +42,16 @@ def test_bench_prints_every_index_and_exact_paths_agree(capsys):
     projected = [r for r in rows if r.data == "clustered" and r.index == "HNSW16 over 96 directions"]
     assert [r.params for r in projected] == [f"efSearch {e}, re-scored" for e in (12, 16, 24)]
     assert all(0 < r.recall <= 1 and r.batch_ms > 0 for r in projected)
+
+
+def test_bench_restarts_itself_capped_at_avx2_and_says_so():
+    env = {k: v for k, v in os.environ.items() if k != ISA_ENV}
+    out = subprocess.run([sys.executable, "-m", "hieragent.bench.memory", "--quick", "--isa", "avx2", "--no-upkeep",
+                          "--uniform-size", "0"], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    machine = [line for line in out.stdout.splitlines() if line.startswith("machine: ")]
+    assert machine and "capped at avx2 (MKL_ENABLE_INSTRUCTIONS=AVX2" in machine[0]
+    assert "bank KeyIndex (auto)" in out.stdout and "goal (clustered n=2,000)" in out.stdout
 
 
 def test_upkeep_keeps_a_full_bank_full_and_a_background_retrain_never_stops_the_steps():

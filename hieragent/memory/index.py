@@ -16,150 +16,33 @@ least ``background_from`` rows runs in a background thread on a snapshot of the 
 are never written in place. The old index keeps answering every search meanwhile, and adds
 and removals go on; when the new index is ready the next call swaps it in and replays what
 changed since the snapshot (O(changes)). ``wait()`` blocks until a running rebuild is in.
+The build itself, over a snapshot, is ``rebuild.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
 import statistics
 from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 
 import faiss
 import numpy as np
 
+from hieragent.memory.rebuild import CHUNK, Built, Job, copy_live, index_over, lower_priority, map_rows, new_rows
 from hieragent.memory.structures import (STRUCTURE, IndexSpec, blas_search, fastscan_m, reranked, search_params,
-                                         search_rows, trained_index, trains, wanted_kind)
+                                         search_rows, trains, wanted_kind)
 
 log = logging.getLogger(__name__)
 
-# rows per call while (re)building: numpy copies and dict updates hold the GIL, so a background
-# build does its Python-side work in slices of a few milliseconds and the step is never blocked long
-CHUNK = 8192
 HEADROOM_AT = 0.9  # a large index rebuilds into a bigger buffer in the background at this fill
 QUERIES_KEPT = 256  # recent queries kept for ``auto`` to measure recall on
 CATCH_UP_LEFT = 512  # a background build hands over once at most this many new rows are unindexed
 LOANS_KEPT = 16  # updates whose median time sets a loan
 MIN_LOAN_S = 0.005  # the least a loan gives a build (updates of a few milliseconds still finish it)
 CATCH_UP_SLICE = 1024  # rows a lent build's catch-up indexes per slice (an IVF assignment each)
-
-
-def lower_priority(nice: int) -> None:
-    """Give the calling thread niceness ``nice`` (Linux sets it per thread id; elsewhere it
-    may apply to the process, or not at all). Lowering one's own priority needs no privilege."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-
-
-def new_rows(m: int, dim: int, buf: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Empty rows for a rebuild over ``m`` keys (``buf``: memory of at least that capacity to use):
-    ``(keys [cap, D], ids [cap])`` with headroom, since compaction (at a quarter dead) comes before growth."""
-    cap = rows_capacity(m)
-    if buf is None:
-        buf = np.zeros((cap, dim), dtype=np.float32)
-    return buf[:cap], np.full(cap, -1, dtype=np.int64)
-
-
-def rows_capacity(m: int) -> int:
-    return max(64, m + m // 2)
-
-
-def copy_live(buf: np.ndarray, rid: np.ndarray, keep: np.ndarray, new_buf: np.ndarray,
-              new_rid: np.ndarray) -> Iterator[None]:
-    """The snapshot's live rows ``keep`` into the first rows of the new ones, a ``CHUNK`` at a
-    time (yielding after each: a lent build slices its work there)."""
-    for s in range(0, len(keep), CHUNK):
-        e = min(s + CHUNK, len(keep))
-        new_buf[s:e], new_rid[s:e] = buf[keep[s:e]], rid[keep[s:e]]
-        yield None
-
-
-def map_rows(rid: np.ndarray, m: int, row: dict[int, int]) -> Iterator[None]:
-    """Fill ``row`` (id -> row) for the first ``m`` rows of ``rid``, a ``CHUNK`` at a time."""
-    for s in range(0, m, CHUNK):
-        e = min(s + CHUNK, m)
-        row.update(zip(rid[s:e].tolist(), range(s, e)))
-        yield None
-
-
-def index_over(keys: np.ndarray, kind: str, spec: IndexSpec, tuned: dict[str, int], template: faiss.Index | None,
-               trained_at: int, tune: bool = False, queries: np.ndarray | None = None
-               ) -> tuple[str, faiss.Index, faiss.Index | None, int, dict[str, int], str]:
-    """A FAISS index of ``kind`` over ``keys`` (labels: their rows): ``(kind, index, template,
-    trained_at, tuned, note)``. ``"auto"`` chooses the kind; ``tune`` (where the spec is auto)
-    measures its search settings again; a ``template`` (trained, empty) is re-added into
-    without training (a compaction)."""
-    m = len(keys)
-    note, tuned = "", dict(tuned)
-
-    def make(kind: str, tuned: dict[str, int]) -> faiss.Index:
-        """A new index of ``kind`` over ``keys``, trained on them where it learns (IVF, a projected graph)."""
-        nonlocal template, trained_at
-        index = trained_index(kind, keys, spec, tuned)
-        if trains(kind, spec, keys.shape[1], tuned):
-            trained_at, template = m, faiss.clone_index(index)
-        for s in range(0, m, 8 * CHUNK):  # FAISS releases the GIL: larger slices
-            index.add(keys[s:min(s + 8 * CHUNK, m)])
-        return index
-
-    if kind == "auto" or (tune and spec.kind == "auto" and kind != "flat"):
-        # auto's first build chooses the kind; its retrainings measure the search settings again
-        from hieragent.memory import autotune
-
-        kind, index, tuned, note = autotune.build(keys, spec, make, None if kind == "auto" else (kind, tuned),
-                                                  queries=queries)
-    elif template is not None:  # a compaction: the trained quantizer, the live keys re-added
-        index = faiss.clone_index(template)
-        for s in range(0, m, 8 * CHUNK):
-            index.add(keys[s:min(s + 8 * CHUNK, m)])
-    else:
-        index = make(kind, tuned)
-    return kind, index, template, trained_at, tuned, note
-
-
-@dataclass
-class _Built:
-    """A rebuilt index and its compacted rows, made from a snapshot (by a thread or inline)."""
-
-    kind: str
-    index: faiss.Index
-    template: faiss.Index | None  # trained and empty: compactions re-add without retraining
-    trained_at: int
-    buf: np.ndarray  # [capacity, D]; rows [:m] are the snapshot's live keys, in order
-    rid: np.ndarray  # [capacity], the id of each row
-    m: int
-    row: dict[int, int]
-    tuned: dict[str, int] = field(default_factory=dict)
-    note: str = ""
-    caught: int = 0  # rows of the owner below this (added after the snapshot) are indexed here
-    dropped: int = 0  # the job's removals before this are applied: their rows are in ``killed``
-    killed: list[int] = field(default_factory=list)
-
-
-@dataclass
-class _Job:
-    kind: str
-    snap_n: int
-    removed: list[int] = field(default_factory=list)  # ids removed after the snapshot
-    thread: threading.Thread | None = None
-    built: _Built | None = None
-    error: BaseException | None = None
-    started: float = field(default_factory=time.perf_counter)
-    cpu_s: float = float("nan")  # CPU seconds of the background build (its thread, or its process)
-    lent: Any = None  # a ``lent.LentBuild``: the build runs on the caller's loans
-
-    @property
-    def background(self) -> bool:
-        return self.thread is not None or self.lent is not None
-
-    @property
-    def running(self) -> bool:
-        return (self.thread is not None and self.thread.is_alive()) or (self.lent is not None and not self.lent.done)
 
 
 class KeyIndex:
@@ -187,7 +70,7 @@ class KeyIndex:
         self._n = 0  # rows used, live or dead
         self._dead = 0
         self._row: dict[int, int] = {}  # live id -> row
-        self._job: _Job | None = None
+        self._job: Job | None = None
         self._template: faiss.Index | None = None
         self.auto_kind: str | None = None  # what ``auto`` chose above its threshold
         self.tuned: dict[str, int] = {}  # and the nprobe / rerank it measured (else the spec's)
@@ -416,7 +299,7 @@ class KeyIndex:
         ``tune``: where ``auto`` chose ``kind``, measure its search settings again)."""
         keep = np.flatnonzero(self._live[: self._n])
         template = None if train or kind != self.active else self._template
-        job = _Job(kind=kind, snap_n=self._n)
+        job = Job(kind=kind, snap_n=self._n)
         args = (self._buf, self._rid, keep, kind, template, tune, self.recent_queries())
         if background is None:
             background = len(keep) >= self.spec.background_from
@@ -458,7 +341,7 @@ class KeyIndex:
         job.thread.start()
 
     def _build(self, buf: np.ndarray, rid: np.ndarray, keep: np.ndarray, kind: str,
-               template: faiss.Index | None, tune: bool = False, queries: np.ndarray | None = None) -> _Built:
+               template: faiss.Index | None, tune: bool = False, queries: np.ndarray | None = None) -> Built:
         """The new rows and index from a snapshot: reads rows of ``buf`` that nobody writes."""
         m = len(keep)
         new_buf, new_rid = new_rows(m, self.dim)
@@ -469,15 +352,15 @@ class KeyIndex:
         row: dict[int, int] = {}
         for _ in map_rows(new_rid, m, row):
             pass
-        return _Built(kind, index, template, trained_at, new_buf, new_rid, m, row, tuned, note)
+        return Built(kind, index, template, trained_at, new_buf, new_rid, m, row, tuned, note)
 
-    def _lent_finish(self, job: _Job, m: int, kind: str, index: faiss.Index, template: faiss.Index | None,
+    def _lent_finish(self, job: Job, m: int, kind: str, index: faiss.Index, template: faiss.Index | None,
                      trained_at: int, tuned: dict[str, int], note: str, buf: np.ndarray,
                      rid: np.ndarray) -> Iterator[None]:
         """A lent build's last steps, in this thread and in slices: the id map, the catch-up."""
         row: dict[int, int] = {}
         yield from map_rows(rid, m, row)
-        built = _Built(kind, index, template, trained_at, buf, rid, m, row, tuned, note)
+        built = Built(kind, index, template, trained_at, buf, rid, m, row, tuned, note)
         yield from self._catch_up_steps(built, job, CATCH_UP_SLICE, blas=True)
         job.cpu_s, job.built = job.lent.cpu_s, built
 
@@ -527,7 +410,7 @@ class KeyIndex:
         self.ops["rebuilds"] += 1
         self.last_swap_s = time.perf_counter() - swap_started  # the old index's release included
 
-    def _copy_tail(self, b: _Built, snap_n: int, start: int, end: int, blas: bool = False) -> None:
+    def _copy_tail(self, b: Built, snap_n: int, start: int, end: int, blas: bool = False) -> None:
         """Copy rows ``[start, end)`` of this index (added after the snapshot at ``snap_n``) into
         the build ``b`` and index them there. Rows are append-only, so a build thread may call
         this for rows below an ``end`` it read before the buffer it reads them from. ``blas``:
@@ -547,7 +430,7 @@ class KeyIndex:
         b.caught = end
 
     @staticmethod
-    def _drop_removed(b: _Built, job: _Job) -> None:
+    def _drop_removed(b: Built, job: Job) -> None:
         """Take the snapshot's rows of the ids removed since the snapshot out of ``b`` (into
         ``b.killed``), from where the last call stopped."""
         end = len(job.removed)  # the list only grows (in the caller's thread)
@@ -557,14 +440,14 @@ class KeyIndex:
                 b.killed.append(row)
         b.dropped = end
 
-    def _catch_up(self, b: _Built, job: _Job) -> None:
+    def _catch_up(self, b: Built, job: Job) -> None:
         """In the build thread: index the rows added while it built and drop the removed ones,
         until few are left, so that the swap on the caller's thread replays only a handful
         (O(1), not O(build time))."""
         for _ in self._catch_up_steps(b, job, CHUNK):
             pass
 
-    def _catch_up_steps(self, b: _Built, job: _Job, rows: int, blas: bool = False) -> Iterator[None]:
+    def _catch_up_steps(self, b: Built, job: Job, rows: int, blas: bool = False) -> Iterator[None]:
         """``_catch_up`` in slices of ``rows`` rows (``blas``: see ``_copy_tail``)."""
         snap_n = job.snap_n
         b.caught = snap_n

@@ -43,7 +43,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from hieragent.memory.index import CHUNK, copy_live, index_over, new_rows, rows_capacity
+from hieragent.memory.rebuild import CHUNK, copy_live, index_over, new_rows, rows_capacity
 from hieragent.memory.structures import IndexSpec
 
 CHILD = "child"  # what the caller's steps yield while the child works

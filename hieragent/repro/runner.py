@@ -114,7 +114,6 @@ def run_plan(plan: Plan, out: Path, console: Console | None = None, only: str | 
     console = console or Console()
     out.mkdir(parents=True, exist_ok=True)
     check_commands(plan, out)
-    timings = _read_timings(out)
     chosen = [j for j in plan.jobs if only is None or fnmatch(j.name, only)]
     todo = [j for j in chosen if not done(j, out)]
     if len(todo) < len(chosen):
@@ -124,9 +123,9 @@ def run_plan(plan: Plan, out: Path, console: Console | None = None, only: str | 
         bar = progress.add_task(plan.title, total=len(chosen), completed=len(chosen) - len(todo))
         for job in todo:
             progress.update(bar, description=f"{plan.title}: {job.name}")
-            timings[job.name] = timings.get(job.name, 0.0) + _run(job, out / job.name)
-            atomic_write_text(out / "timings.json", json.dumps(timings, indent=1))
+            add_time(out, job.name, _run(job, out / job.name))
             progress.advance(bar)
+    timings = _read_timings(out)
     names = {j.name for j in plan.jobs}  # a job renamed since keeps its time in timings.json only
     results = summarise(plan, out, {k: v for k, v in timings.items() if k in names})
     results["conditions"]["precision"] = precisions(out, plan.jobs)
@@ -155,6 +154,14 @@ def record(job: Job) -> dict[str, Any]:
     configs = [Path(v) for k, v in zip(job.argv, job.argv[1:]) if k == "--config"]
     return {"argv": job.argv, "configs": {str(c): hashlib.sha256(c.read_bytes()).hexdigest()
                                           for c in configs if c.is_file()}}
+
+
+def add_time(out: Path, name: str, seconds: float) -> None:
+    """Add a job's wall time to ``timings.json``, read afresh: another runner working on
+    other jobs of the same folder (``--only``) may have written it since this one started."""
+    timings = _read_timings(out)
+    timings[name] = timings.get(name, 0.0) + seconds
+    atomic_write_text(out / "timings.json", json.dumps(timings, indent=1))
 
 
 def _read_timings(out: Path) -> dict[str, float]:

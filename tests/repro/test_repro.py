@@ -7,6 +7,8 @@ import json
 import random
 import subprocess
 import sys
+import threading
+import time
 from datetime import datetime, timezone
 
 import numpy as np
@@ -127,6 +129,21 @@ def test_a_failing_job_stops_the_plan_and_names_its_log(tmp_path):
         run_plan(Plan("t", [bad, later], []), tmp_path)
     assert "BabyAI-NoSuchLevel-v0" in str(err.value)  # the log's tail is in the message
     assert not (tmp_path / "L" / "later").exists()
+
+
+def test_runners_on_other_jobs_of_one_folder_keep_each_others_timings(tmp_path):
+    job = Job("L/bot", ["hieragent.repro.expert", "--env", LEVEL, "--episodes", "1",
+                        "--out", str(tmp_path / "L" / "bot" / "result.json")], "result.json")
+    ran = threading.Thread(target=run_plan, args=(Plan("t", [job], []), tmp_path))
+    ran.start()
+    log = tmp_path / "L" / "bot" / "job.log"
+    while not log.exists() and ran.is_alive():
+        time.sleep(0.01)
+    # another runner (``--only`` another job) finishes its job while this one's runs
+    (tmp_path / "timings.json").write_text(json.dumps({"L/other": 7.0}))
+    ran.join()
+    timings = read_json(tmp_path / "timings.json")
+    assert timings["L/other"] == 7.0 and timings["L/bot"] > 0
 
 
 def test_games_quick_runs_the_recipe_on_frozenlake(tmp_path):

@@ -68,9 +68,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from hieragent.bench import bank_upkeep
+from hieragent.isa import ISA_CAPS, isa_cap, run_capped
 from hieragent.memory.index import KeyIndex
 from hieragent.memory.structures import IndexSpec, auto_nlist
-from hieragent.isa import ISA_CAPS, isa_cap, run_capped
 from hieragent.precision import matmul_peak
 
 try:  # threadpoolctl arrives with scikit-learn (via sentence-transformers), not as our own dependency

@@ -65,6 +65,13 @@ def map_rows(rid: np.ndarray, m: int, row: dict[int, int]) -> Iterator[None]:
         yield None
 
 
+def add_in_slices(index: faiss.Index, keys: np.ndarray) -> None:
+    """Add ``keys`` (labels: their rows) in slices of ``8 * CHUNK``: FAISS releases the GIL
+    while it adds, so the slices can be larger than the Python-side ones."""
+    for s in range(0, len(keys), 8 * CHUNK):
+        index.add(keys[s:s + 8 * CHUNK])
+
+
 def index_over(keys: np.ndarray, kind: str, spec: IndexSpec, tuned: dict[str, int], template: faiss.Index | None,
                trained_at: int, tune: bool = False, queries: np.ndarray | None = None
                ) -> tuple[str, faiss.Index, faiss.Index | None, int, dict[str, int], str]:
@@ -81,8 +88,7 @@ def index_over(keys: np.ndarray, kind: str, spec: IndexSpec, tuned: dict[str, in
         index = trained_index(kind, keys, spec, tuned)
         if trains(kind, spec, keys.shape[1], tuned):
             trained_at, template = m, faiss.clone_index(index)
-        for s in range(0, m, 8 * CHUNK):  # FAISS releases the GIL: larger slices
-            index.add(keys[s:min(s + 8 * CHUNK, m)])
+        add_in_slices(index, keys)
         return index
 
     if kind == "auto" or (tune and spec.kind == "auto" and kind != "flat"):
@@ -93,8 +99,7 @@ def index_over(keys: np.ndarray, kind: str, spec: IndexSpec, tuned: dict[str, in
                                                   queries=queries)
     elif template is not None:  # a compaction: the trained quantizer, the live keys re-added
         index = faiss.clone_index(template)
-        for s in range(0, m, 8 * CHUNK):
-            index.add(keys[s:min(s + 8 * CHUNK, m)])
+        add_in_slices(index, keys)
     else:
         index = make(kind, tuned)
     return kind, index, template, trained_at, tuned, note

@@ -22,18 +22,29 @@ ISA_CAPS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
 }
 
 
+def _known(isa: str, where: str) -> str:
+    if isa not in ISA_CAPS:
+        raise ValueError(f"{where}={isa!r}: expected an instruction-set cap, one of {sorted(ISA_CAPS)}")
+    return isa
+
+
 def isa_cap() -> str | None:
     """The instruction-set cap this process runs under (``HIERAGENT_ISA``), None for none."""
     isa = os.environ.get(ISA_ENV) or None
-    if isa is not None and isa not in ISA_CAPS:
-        raise ValueError(f"{ISA_ENV}={isa!r}: expected one of {sorted(ISA_CAPS)} (or unset)")
-    return isa
+    return None if isa is None else _known(isa, ISA_ENV)
+
+
+def cap_label(isa: str | None, detail: bool = False) -> str:
+    """`` capped at avx2`` for a machine's name ('' uncapped); ``detail`` adds the variables set."""
+    if isa is None:
+        return ""
+    vars_ = f" ({', '.join(f'{k}={v}' for k, v in ISA_CAPS[isa][0].items())})" if detail else ""
+    return f" capped at {isa}{vars_}"
 
 
 def capped_env(isa: str, base: dict[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: this process's environment) with every library capped at ``isa``."""
-    if isa not in ISA_CAPS:
-        raise ValueError(f"instruction-set cap {isa!r}: expected one of {sorted(ISA_CAPS)}")
+    _known(isa, "isa")
     return {**(os.environ if base is None else base), **ISA_CAPS[isa][0], ISA_ENV: isa}
 
 

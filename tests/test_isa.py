@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hieragent.isa import ISA_ENV, capped_env, isa_cap, visible_flags
+from hieragent.isa import ISA_CAPS, ISA_ENV, cap_label, capped_env, isa_cap, visible_flags
 from hieragent.memory.autotune import machine_key
 from hieragent.memory.structures import IndexSpec
 
@@ -81,3 +81,12 @@ def test_the_auto_index_cache_keeps_a_capped_machine_apart(monkeypatch):
     monkeypatch.setenv(ISA_ENV, "avx2")
     capped = machine_key(384, IndexSpec())
     assert capped != plain and "capped at avx2" in capped
+
+
+def test_the_cap_label_names_the_cap_and_on_request_each_variable():
+    assert cap_label(None) == "" and cap_label(None, detail=True) == ""
+    assert cap_label("avx2") == " capped at avx2"
+    detailed = cap_label("avx2", detail=True)
+    assert detailed.startswith(" capped at avx2 (")
+    for k, v in ISA_CAPS["avx2"][0].items():
+        assert f"{k}={v}" in detailed

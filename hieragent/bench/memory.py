@@ -68,7 +68,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from hieragent.bench import bank_upkeep
-from hieragent.isa import ISA_CAPS, isa_cap, run_capped
+from hieragent.isa import ISA_CAPS, cap_label, isa_cap, run_capped
 from hieragent.memory.index import KeyIndex
 from hieragent.memory.structures import IndexSpec, auto_nlist
 from hieragent.precision import matmul_peak
@@ -438,9 +438,8 @@ def machine_line() -> str:
 
     fp32 = matmul_peak(torch.float32)
     bf16 = matmul_peak(torch.bfloat16, size=512, seconds=0.5)
-    isa = isa_cap()
-    capped = f" capped at {isa} ({', '.join(f'{k}={v}' for k, v in ISA_CAPS[isa][0].items())})" if isa else ""
-    return (f"machine: {cpu_name()}{capped}, {os.cpu_count()} cpus; matmul peak fp32 {fp32:.0f} GFLOP/s, "
+    return (f"machine: {cpu_name()}{cap_label(isa_cap(), detail=True)}, {os.cpu_count()} cpus; "
+            f"matmul peak fp32 {fp32:.0f} GFLOP/s, "
             f"bf16 {bf16:.1f} GFLOP/s (bf16/fp32 {bf16 / fp32:.2f}), measured in this run")
 
 

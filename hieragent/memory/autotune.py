@@ -55,7 +55,7 @@ import faiss
 import numpy as np
 
 from hieragent.io import atomic_write_text, cache_dir
-from hieragent.isa import isa_cap
+from hieragent.isa import cap_label, isa_cap
 from hieragent.memory.index import QUERIES_KEPT
 from hieragent.memory.structures import (IVF_KINDS, STRUCTURE, IndexSpec, auto_nlist, reranked, search_params,
                                          search_rows, trained_index)
@@ -99,8 +99,7 @@ def cpu_name() -> str:
 def machine_key(dim: int, spec: IndexSpec) -> str:
     """The cache key: what the measured choice depends on (an instruction-set cap computes
     as another machine would, so it is part of the machine)."""
-    isa = isa_cap()
-    return (f"{cpu_name()}{f' capped at {isa}' if isa else ''} | {os.cpu_count()} cpus | faiss {faiss.__version__} | "
+    return (f"{cpu_name()}{cap_label(isa_cap())} | {os.cpu_count()} cpus | faiss {faiss.__version__} | "
             f"dim {dim} | fastscan_m {spec.fastscan_m or 'swept'} | candidates v{CANDIDATES_VERSION}")
 
 

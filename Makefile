@@ -7,7 +7,7 @@ CONFIG ?= configs/babyai_hier.yaml
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hieragent-installed
 
-.PHONY: install train train-flat test test-slow bench-objective bench-memory bench-rollout device-check textworld-games demos warmstart expert-table ablation-memory repro-babyai repro-games repro-offpolicy clean
+.PHONY: install train train-flat test test-slow bench-objective bench-memory bench-rollout bench-attention device-check textworld-games demos warmstart expert-table ablation-memory repro-babyai repro-games repro-offpolicy clean
 
 install: $(STAMP)
 
@@ -46,6 +46,11 @@ bench-memory: install
 # naive acting and the machine's matmul peak measured in the same run (see hieragent/bench/rollout.py)
 bench-rollout: install
 	$(BIN)/python -m hieragent.bench.rollout --out lightning_logs/bench_rollout.json
+
+# the trainer's forward+backward over score-mode turns with transformers' SDPA against hieragent's
+# grouped attention: time (alternating, same run) and peak memory (see hieragent/bench/attention.py)
+bench-attention: install
+	$(BIN)/python -m hieragent.bench.attention $(BENCH_ARGS)
 
 # on a CUDA GPU only: DDP (NCCL, one device) against one process on the same episodes, with step
 # time and peak memory, FSDP and DeepSpeed's refusals (hieragent/bench/ddp_check.py); then installs

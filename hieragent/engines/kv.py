@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 
@@ -261,10 +262,10 @@ def grouped_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value
     """SDPA for grouped-query attention under an explicit mask, without repeating K and V.
 
     transformers' ``sdpa`` repeats every key/value head for each of its query heads when a
-    mask is given (``repeat_kv``), a copy of the whole cache per layer and forward. Here the
-    query heads of one KV head are stacked along the query axis instead, and the mask with
-    them, so attention runs on the KV heads as they are. Same numbers, no copy. Inside
-    ``packed(call)`` the queries come packed as one sequence and are unpacked into rows.
+    mask is given (``repeat_kv``), a copy of the whole cache per layer and forward, kept for
+    the backward pass when training. Here attention runs on the KV heads as they are (see
+    ``_grouped``). Same numbers, no copy. Inside ``packed(call)`` the queries come packed as
+    one sequence and are unpacked into rows.
     """
     call = _PACKED.get()
     if call is not None:  # packed tokens [1, H, T, D] -> rows [B, H, Q, D]
@@ -277,16 +278,41 @@ def grouped_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value
 
 
 def _grouped(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, dropout: float,
-             scaling: float | None) -> tuple[Tensor, None]:
+             scaling: float | None, native: bool | None = None) -> tuple[Tensor, None]:
+    """``[B, H, Q, D]`` queries on ``[B, KV, W, D]`` keys -> ``[B, Q, H, D]``.
+
+    Without a mask (no padding, Q == W or Q == 1: transformers' shortcut) and on the CPU
+    (``native``), SDPA's own ``enable_gqa``: on the CPU it beats repeated keys in time and
+    memory, forward and backward (``make bench-attention``). On CUDA, transformers
+    avoids ``enable_gqa`` under a mask (SDPA falls back to its math kernel there), so
+    elsewhere the query heads of each KV head are stacked along the query axis instead, and
+    the mask with them.
+    """
     batch, heads, q_len, dim = query.shape
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if native is None:
+        native = attention_mask is None or query.device.type == "cpu"
+    if native:
+        out = sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+                   is_causal=attention_mask is None and q_len > 1, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
     kv_heads = key.shape[1]
     group = heads // kv_heads
     q = query.reshape(batch, kv_heads, group * q_len, dim)  # row j * Q + i: head kv * group + j, query i
-    mask = attention_mask.repeat(1, 1, group, 1) if attention_mask is not None else None
-    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=dropout,
-                                                           scale=scaling)
+    mask = attention_mask.repeat(1, 1, group, 1)
+    out = sdpa(q, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
 
 
 GROUPED = "hieragent_grouped_sdpa"
 ALL_ATTENTION_FUNCTIONS.register(GROUPED, grouped_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED, sdpa_mask)  # transformers' SDPA masks, shortcut included
+
+
+def use_grouped_attention(model: torch.nn.Module) -> None:
+    """Run ``model``'s attention as ``grouped_attention`` everywhere (the trainer's forwards
+    too), where it runs transformers' SDPA: the same numbers without a copy of every key and
+    value per query head, kept for the backward pass. Other implementations stay."""
+    config = model.config
+    if config._attn_implementation == "sdpa":
+        config._attn_implementation = GROUPED

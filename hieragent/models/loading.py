@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from hieragent.engines.kv import use_grouped_attention
 from hieragent.io import cache_dir, scratch_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,7 +122,8 @@ def _local_source(name: str) -> str:
 
 
 def load_causal_lm(name: str, seed: int = 0) -> PreTrainedModel:
-    """Load the policy's base model in fp32 (bf16 matmul is far slower on most CPUs).
+    """Load the policy's base model in fp32 (bf16 matmul is far slower on most CPUs), its
+    SDPA attention run as ``engines.kv.grouped_attention`` (no key/value copy per head).
 
     Args:
         name: ``smollm2``, ``tiny``, a Hugging Face id in the local cache, or a local path.
@@ -145,4 +147,5 @@ def load_causal_lm(name: str, seed: int = 0) -> PreTrainedModel:
                 "local directory, or a Hugging Face id that is already in the local cache"
             ) from err
     model.config.use_cache = True
+    use_grouped_attention(model)
     return model

@@ -4,11 +4,12 @@ new episodes taking a free slot or another's prefix, completions reused by the n
 and the grouped attention it runs equals attention with repeated K/V."""
 
 import numpy as np
+import pytest
 import torch
 
 from hieragent.engines.base import EngineSettings, Request, Sampling
 from hieragent.engines.hf import HFEngine
-from hieragent.engines.kv import grouped_attention
+from hieragent.engines.kv import _grouped, grouped_attention
 from hieragent.engines.prompting import Dialogue, Prompter
 
 
@@ -98,15 +99,24 @@ def test_generate_reuses_its_own_completion_on_the_next_turn(tiny_lm, tokenizer)
             prompter.remember(dialogues[e], built[e][1], g.ids)
 
 
-def test_grouped_attention_equals_attention_with_repeated_keys_in_float64():
+@pytest.mark.parametrize("layout", ["native", "stacked", "causal"])
+def test_grouped_attention_equals_attention_with_repeated_keys_in_float64(layout):
+    """Each layout ``_grouped`` takes (SDPA's own GQA under a mask, the query heads stacked
+    under a mask as off the CPU, and SDPA's causal flag where transformers drops the mask)
+    against attention written out with every KV head repeated per query head."""
     g = torch.Generator().manual_seed(5)
-    batch, heads, kv_heads, q_len, k_len, dim = 2, 6, 2, 5, 9, 8
+    batch, heads, kv_heads, dim = 2, 6, 2, 8
+    q_len, k_len = (7, 7) if layout == "causal" else (5, 9)
     q = torch.randn(batch, heads, q_len, dim, generator=g, dtype=torch.float64)
     k = torch.randn(batch, kv_heads, k_len, dim, generator=g, dtype=torch.float64)
     v = torch.randn(batch, kv_heads, k_len, dim, generator=g, dtype=torch.float64)
-    mask = torch.rand(batch, 1, q_len, k_len, generator=g) > 0.4
-    mask[..., 0] = True
-    out, _ = grouped_attention(None, q, k, v, mask, scaling=0.3)  # [B, Q, H, D]
+    if layout == "causal":
+        mask = torch.ones(q_len, k_len, dtype=torch.bool).tril().expand(batch, 1, q_len, k_len)
+        out, _ = grouped_attention(None, q, k, v, None, scaling=0.3)  # [B, Q, H, D]
+    else:
+        mask = torch.rand(batch, 1, q_len, k_len, generator=g) > 0.4
+        mask[..., 0] = True
+        out, _ = _grouped(q, k, v, mask, 0.0, 0.3, native=layout == "native")
     group = heads // kv_heads
     kr, vr = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # head h reads KV head h // group
     scores = (q @ kr.transpose(-1, -2) * 0.3).masked_fill(~mask, float("-inf"))

@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
     if a.child is not None:
         child(a)
         return {}
-    shared = [f"--turns={a.turns}", f"--prompt={a.prompt}", f"--candidates={a.candidates}",
-              f"--candidate-tokens={a.candidate_tokens}", f"--precision={a.precision}", f"--seed={a.seed}"] + (["--quick"] if a.quick else [])
+    # the children get this run's arguments, with the precision chosen here (the last one wins)
+    shared = [*(sys.argv[1:] if argv is None else argv), f"--precision={a.precision}"]
     lm, pad_id, prompts, cands, autocast = setting(a)
     first = {layout: call(lm, pad_id, prompts, cands, autocast, layout) for layout in LAYOUTS}  # warm-up
     gap = max((x - y).abs().max().item() for x, y in zip(*first.values()))

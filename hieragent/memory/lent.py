@@ -20,6 +20,12 @@ itself, a copy per slice, rather than deserialize a gigabyte at once), and the w
 index for the kinds whose codes are small (PQ, fast-scan) or that FAISS cannot fill from given
 lists (HNSW). While stopped between loans the child's wall clock runs on, so ``auto``'s timings
 there use CPU time.
+
+The request, the result and the child's stderr pass through ``memfd``s too, never a disk: one
+``write`` system call cannot be stopped, and a result written to a file under ``/tmp`` in one
+call could spend a few hundred milliseconds in the kernel (allocating page cache) while the
+training step ran beside it. Both sides write in slices of ``WRITE_SLICE`` bytes, so a stop
+waits at most one.
 """
 
 from __future__ import annotations
@@ -29,11 +35,9 @@ import ctypes
 import mmap
 import os
 import pickle
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import weakref
@@ -47,6 +51,7 @@ from hieragent.memory.rebuild import CHUNK, copy_live, index_over, new_rows, row
 from hieragent.memory.structures import IndexSpec
 
 CHILD = "child"  # what the caller's steps yield while the child works
+WRITE_SLICE = 1 << 22  # bytes per write system call (about a millisecond into memory)
 
 
 def available() -> bool:
@@ -64,9 +69,13 @@ class LentBuild:
                  after: Callable[..., Iterator[None]]) -> None:
         self.dim, self.request, self.after = dim, request, after
         self.done, self.cpu_s = False, float("nan")
-        self._proc: subprocess.Popen | None = None
-        self._dir: str | None = None  # made just before the child, so a build dropped sooner leaves nothing
+        self._held = _Held()  # the child and the memfds, released by close() or when this build is dropped
+        weakref.finalize(self, self._held.release)
         self._steps = self._run(buf, rid, keep)
+
+    @property
+    def _proc(self) -> subprocess.Popen | None:
+        return self._held.proc
 
     def advance(self, seconds: float) -> None:
         """Work on the rebuild for about ``seconds`` (the child runs only inside this call)."""
@@ -83,8 +92,8 @@ class LentBuild:
                 self._lend(None)
 
     def close(self) -> None:
-        """Stop the child (if any) and free the shared files."""
-        _kill(self._proc, self._dir)
+        """Stop the child (if any) and close the memfds."""
+        self._held.release()
 
     def _step(self) -> str | None:
         try:
@@ -108,31 +117,25 @@ class LentBuild:
             proc.send_signal(signal.SIGSTOP)
 
     def _run(self, buf: np.ndarray, rid: np.ndarray, keep: np.ndarray) -> Iterator[str | None]:
-        m, dim = len(keep), self.dim
+        m, dim, held = len(keep), self.dim, self._held
         size = rows_capacity(m) * dim * 4
-        fd = os.memfd_create("hieragent-index-keys")
-        try:
-            os.ftruncate(fd, size)
-            shared = np.frombuffer(mmap.mmap(fd, size), dtype=np.float32).reshape(-1, dim)
-            new_buf, new_rid = new_rows(m, dim, shared)
-            yield from copy_live(buf, rid, keep, new_buf, new_rid)  # into memory the child maps
-            self._dir = tempfile.mkdtemp(prefix="hieragent-index-")  # not /dev/shm: containers cap it at 64 MB
-            with open(os.path.join(self._dir, "request.pkl"), "wb") as f:
-                pickle.dump({**self.request, "m": m, "dim": dim}, f, protocol=pickle.HIGHEST_PROTOCOL)
-            with open(os.path.join(self._dir, "stderr"), "wb") as err:
-                self._proc = subprocess.Popen([sys.executable, "-m", "hieragent.memory.lent", self._dir, str(fd)],
-                                              pass_fds=(fd,), stdin=subprocess.DEVNULL, stdout=err, stderr=err)
-            self._proc.send_signal(signal.SIGSTOP)  # it runs on loans only (its imports included)
-            weakref.finalize(self, _kill, self._proc, self._dir)  # an index dropped mid-build leaves nothing
-            while self._proc.poll() is None:
-                yield CHILD
-        finally:
-            os.close(fd)  # the mapping stays
-        if self._proc.returncode != 0:
-            with open(os.path.join(self._dir, "stderr"), encoding="utf-8", errors="replace") as f:
-                tail = f.read()[-2000:]
-            raise RuntimeError(f"the index build process exited with {self._proc.returncode}:\n{tail}")
-        with open(os.path.join(self._dir, "result.pkl"), "rb") as f:
+        fd = held.memfd("keys")
+        os.ftruncate(fd, size)
+        shared = np.frombuffer(mmap.mmap(fd, size), dtype=np.float32).reshape(-1, dim)
+        new_buf, new_rid = new_rows(m, dim, shared)
+        yield from copy_live(buf, rid, keep, new_buf, new_rid)  # into memory the child maps
+        request, result, err = held.memfd("request"), held.memfd("result"), held.memfd("stderr")
+        pickle.dump({**self.request, "m": m, "dim": dim}, Slices(request), protocol=pickle.HIGHEST_PROTOCOL)
+        fds = (fd, request, result)
+        held.proc = subprocess.Popen([sys.executable, "-m", "hieragent.memory.lent", *map(str, fds)], pass_fds=fds,
+                                     stdin=subprocess.DEVNULL, stdout=err, stderr=err)
+        held.proc.send_signal(signal.SIGSTOP)  # it runs on loans only (its imports included)
+        while held.proc.poll() is None:
+            yield CHILD
+        if held.proc.returncode != 0:
+            tail = os.pread(err, 2000, max(os.fstat(err).st_size - 2000, 0)).decode("utf-8", errors="replace")
+            raise RuntimeError(f"the index build process exited with {held.proc.returncode}:\n{tail}")
+        with reader(result) as f:
             out = pickle.load(f)
         self.close()
         self.cpu_s = out["cpu_s"]
@@ -150,12 +153,47 @@ class LentBuild:
                               new_rid)
 
 
-def _kill(proc: subprocess.Popen | None, workdir: str | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    if workdir is not None:
-        shutil.rmtree(workdir, ignore_errors=True)
+class _Held:
+    """What a lent build holds outside this process's heap: its child process and its memfds
+    (their mappings outlive them)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.fds: list[int] = []
+
+    def memfd(self, name: str) -> int:
+        fd = os.memfd_create(f"hieragent-index-{name}")
+        self.fds.append(fd)
+        return fd
+
+    def release(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        while self.fds:
+            with contextlib.suppress(OSError):
+                os.close(self.fds.pop())
+
+
+class Slices:
+    """A binary file over a descriptor that writes at most ``WRITE_SLICE`` bytes per system
+    call (``pickle.dump``'s target): a stop signal takes effect between two slices."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(self.fd, view[done:done + WRITE_SLICE])
+        return done
+
+
+def reader(fd: int) -> Any:
+    """The whole of a memfd another process wrote (the offset is shared: read from the start)."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    return open(fd, "rb", closefd=False)
 
 
 def list_of_rows(index: faiss.Index, m: int) -> np.ndarray:
@@ -169,17 +207,17 @@ def list_of_rows(index: faiss.Index, m: int) -> np.ndarray:
     return assign
 
 
-def child(workdir: str, fd: int) -> None:
-    """The child: build what the request asks over the shared keys; write ``result.pkl``."""
+def child(keys_fd: int, request_fd: int, result_fd: int) -> None:
+    """The child: build what the request asks over the shared keys; pickle the result."""
     from hieragent.memory import autotune
 
     with contextlib.suppress(OSError, AttributeError):  # die with the caller (Linux)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     autotune.CLOCK = time.process_time  # stopped between loans: wall time would count the stops
-    with open(os.path.join(workdir, "request.pkl"), "rb") as f:
+    with reader(request_fd) as f:
         req = pickle.load(f)
     m, dim = req["m"], req["dim"]
-    keys = np.frombuffer(mmap.mmap(fd, 0, prot=mmap.PROT_READ), dtype=np.float32).reshape(-1, dim)[:m]
+    keys = np.frombuffer(mmap.mmap(keys_fd, 0, prot=mmap.PROT_READ), dtype=np.float32).reshape(-1, dim)[:m]
     template = faiss.deserialize_index(req["template"]) if req["template"] is not None else None
     cpu = time.process_time()
     kind, index, template, trained_at, tuned, note = index_over(
@@ -191,10 +229,7 @@ def child(workdir: str, fd: int) -> None:
     out = {"kind": kind, "index": faiss.serialize_index(index), "assign": assign, "trained_at": trained_at,
            "template": None if template is None else faiss.serialize_index(template), "tuned": tuned,
            "note": note, "cpu_s": time.process_time() - cpu}
-    tmp = os.path.join(workdir, "result.pkl.tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump(out, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, os.path.join(workdir, "result.pkl"))
+    pickle.dump(out, Slices(result_fd), protocol=pickle.HIGHEST_PROTOCOL)  # read once this process has exited
 
 
 def request(spec: IndexSpec, kind: str, tuned: dict[str, int], template: faiss.Index | None, trained_at: int,
@@ -205,7 +240,7 @@ def request(spec: IndexSpec, kind: str, tuned: dict[str, int], template: faiss.I
 
 if __name__ == "__main__":
     try:
-        child(sys.argv[1], int(sys.argv[2]))
+        child(*map(int, sys.argv[1:4]))
     except BaseException:
         traceback.print_exc()
         sys.exit(1)

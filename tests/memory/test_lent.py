@@ -3,10 +3,13 @@ a real SIGKILL of it, and an index dropped mid-build."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import pickle
 import signal
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -29,6 +32,19 @@ def proc_stat(pid: int) -> tuple[str, int]:
     return fields[0], int(fields[11]) + int(fields[12])
 
 
+def memfds(since: Counter | None = None) -> Counter:
+    """This process's open memfds of lent builds, by name (less those open in ``since``: other
+    tests' indexes may still live in a mapping of theirs)."""
+    gc.collect()  # what is garbage already holds nothing in either count
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor, closed by now
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+    names = Counter(link.removesuffix(" (deleted)").removeprefix("/memfd:hieragent-index-") for link in found
+                    if link.startswith("/memfd:hieragent-index-"))
+    return names - (since or Counter())
+
+
 def started(index: KeyIndex) -> int:
     """Lend until the build's process exists; its pid."""
     while index._job.lent._proc is None:
@@ -44,11 +60,12 @@ def keys():
 
 def test_a_lent_build_takes_cpu_only_on_loans_and_loses_no_entry(keys):
     x, ids, q = keys
-    index = KeyIndex(D, SPEC)
+    index, before = KeyIndex(D, SPEC), memfds()
     index.add(ids[:700], x[:700])  # 16 lists x 39 keys: training starts, in a process on loans
     assert index.active == "flat" and index.building == "ivf_flat"
     pid = started(index)
-    workdir = index._job.lent._dir
+    # the keys twice (the mapping keeps a descriptor of its own), the request, the result, the child's stderr
+    assert memfds(before) == Counter({"keys": 2, "request": 1, "result": 1, "stderr": 1})
     time.sleep(0.2)  # a stop signal takes effect when the process next runs
     state, ticks = proc_stat(pid)
     time.sleep(0.5)  # no loan: the process stays stopped and spends nothing
@@ -64,7 +81,8 @@ def test_a_lent_build_takes_cpu_only_on_loans_and_loses_no_entry(keys):
         index.lend(0.02)
         loans += 1
     assert index.active == "ivf_flat" and loans > 1 and index.trained_at == 700
-    assert not os.path.exists(workdir) and index.last_build[1] > 0  # the process's CPU seconds
+    assert memfds(before) in (Counter(), Counter(keys=1))  # at most the mapping the new rows may live in
+    assert index.last_build[1] > 0  # the process's CPU seconds
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert set(index.ids().tolist()) == set(live)
@@ -93,15 +111,39 @@ def test_a_killed_build_process_says_so_and_keeps_the_old_index(keys):
 
 def test_an_index_dropped_mid_build_leaves_no_process(keys):
     x, ids, _ = keys
-    index = KeyIndex(D, SPEC)
+    index, before = KeyIndex(D, SPEC), memfds()
     index.add(ids[:1000], x[:1000])
     pid = started(index)
-    workdir = index._job.lent._dir
     del index
     gc.collect()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
-    assert not os.path.exists(workdir)
+    assert memfds(before) == Counter()
     early = KeyIndex(D, IndexSpec(**{**SPEC.__dict__, "nlist": 4, "train_per_list": 39}))
-    early.add(ids[:200], x[:200])  # 4 lists x 39 keys: a build starts; before its first loan, no folder nor process
-    assert early.building == "ivf_flat" and early._job.lent._dir is None and early._job.lent._proc is None
+    early.add(ids[:200], x[:200])  # 4 lists x 39 keys: a build starts; before its first loan, no memfd nor process
+    assert early.building == "ivf_flat" and memfds(before) == Counter() and early._job.lent._proc is None
+    early._job.lent.advance(0.0)  # one slice: the keys' memfd, filled; no process yet
+    assert memfds(before) == Counter(keys=2) and early._job.lent._proc is None
+    del early
+    gc.collect()
+    assert memfds(before) == Counter()
+
+
+def test_results_cross_in_slices_and_arrive_whole(monkeypatch):
+    """The child's result goes through a memfd a slice per system call (a stop signal waits at
+    most one); sliced at an odd size, a pickle of arrays larger than a slice reads back exactly."""
+    monkeypatch.setattr(lent, "WRITE_SLICE", 1001)
+    rng = np.random.default_rng(5)
+    out = {"index": rng.integers(0, 256, 123_457, dtype=np.uint8), "assign": rng.integers(-1, 4096, 9999),
+           "note": "ivf_flat"}
+    fd = os.memfd_create("hieragent-test")
+    try:
+        pickle.dump(out, lent.Slices(fd), protocol=pickle.HIGHEST_PROTOCOL)
+        assert os.fstat(fd).st_size > 123_457 + 8 * 9999
+        with lent.reader(fd) as f:
+            back = pickle.load(f)
+    finally:
+        os.close(fd)
+    assert back["note"] == "ivf_flat"
+    np.testing.assert_array_equal(back["index"], out["index"])
+    np.testing.assert_array_equal(back["assign"], out["assign"])

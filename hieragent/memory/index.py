@@ -31,7 +31,8 @@ from typing import Iterator
 import faiss
 import numpy as np
 
-from hieragent.memory.rebuild import CHUNK, Built, Job, copy_live, index_over, lower_priority, map_rows, new_rows
+from hieragent.memory.rebuild import (CHUNK, Built, Job, copy_live, index_over, key_rows, lower_priority, map_rows,
+                                      new_rows)
 from hieragent.memory.structures import (STRUCTURE, IndexSpec, blas_search, fastscan_m, reranked, search_params,
                                          search_rows, trains, wanted_kind)
 
@@ -268,7 +269,7 @@ class KeyIndex:
         if rows <= len(self._buf):
             return
         cap = max(rows, 2 * len(self._buf), 64)  # geometric growth: adding one key is amortised O(D)
-        buf = np.zeros((cap, self.dim), dtype=np.float32)
+        buf = key_rows(cap, self.dim)
         buf[: self._n] = self._buf[: self._n]  # a running build keeps reading the old array
         rid, live = np.full(cap, -1, dtype=np.int64), np.zeros(cap, dtype=bool)
         rid[: self._n], live[: self._n] = self._rid[: self._n], self._live[: self._n]
@@ -421,7 +422,7 @@ class KeyIndex:
         lo, hi = b.m + start - snap_n, b.m + end - snap_n
         if hi > len(b.buf):
             cap = max(hi, 2 * len(b.buf))
-            buf, rid = np.zeros((cap, self.dim), dtype=np.float32), np.full(cap, -1, dtype=np.int64)
+            buf, rid = key_rows(cap, self.dim), np.full(cap, -1, dtype=np.int64)
             buf[:lo], rid[:lo] = b.buf[:lo], b.rid[:lo]
             b.buf, b.rid = buf, rid
         b.buf[lo:hi], b.rid[lo:hi] = self._buf[start:end], self._rid[start:end]

@@ -11,6 +11,7 @@ A rebuild hands back a ``Built``; its owner keeps a ``Job`` while one is in flig
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import threading
 import time
@@ -25,6 +26,7 @@ from hieragent.memory.structures import IndexSpec, trained_index, trains
 # rows per call while (re)building: numpy copies and dict updates hold the GIL, so a background
 # build does its Python-side work in slices of a few milliseconds and the step is never blocked long
 CHUNK = 8192
+HUGE_PAGE = 2 << 20
 
 
 def lower_priority(nice: int) -> None:
@@ -34,12 +36,29 @@ def lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
+def key_rows(cap: int, dim: int) -> np.ndarray:
+    """Zeroed key rows ``[cap, D]`` (float32), advised out of transparent huge pages.
+
+    Keys are appended a few rows per update. numpy advises huge pages for large arrays, and
+    with the kernel's THP defrag at ``madvise`` the first write into each 2 MB of such an array
+    may compact memory for a huge page inside the step that crosses into it: tens of
+    milliseconds on this project's VM, once every ~1365 rows at D=384, where small pages cost
+    a fraction of a millisecond per append. Searches read the index's own copy of the keys,
+    not these rows."""
+    size = cap * dim * 4
+    if size < HUGE_PAGE or not hasattr(mmap, "MADV_NOHUGEPAGE"):
+        return np.zeros((cap, dim), dtype=np.float32)
+    area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zeroed on first touch
+    area.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(area, dtype=np.float32).reshape(cap, dim)
+
+
 def new_rows(m: int, dim: int, buf: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Empty rows for a rebuild over ``m`` keys (``buf``: memory of at least that capacity to use):
     ``(keys [cap, D], ids [cap])`` with headroom, since compaction (at a quarter dead) comes before growth."""
     cap = rows_capacity(m)
     if buf is None:
-        buf = np.zeros((cap, dim), dtype=np.float32)
+        buf = key_rows(cap, dim)
     return buf[:cap], np.full(cap, -1, dtype=np.int64)
 
 

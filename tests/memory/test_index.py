@@ -13,6 +13,7 @@ import pytest
 from hieragent.memory import autotune
 from hieragent.memory.bank import MemoryBank
 from hieragent.memory.index import KeyIndex
+from hieragent.memory.rebuild import key_rows
 from hieragent.memory.structures import BLAS_MIN_BATCH, STRUCTURE, IndexSpec, auto_nlist, blas_search
 
 from index_helpers import D, brute_force, clustered, recall
@@ -482,3 +483,27 @@ def test_processes_whose_auto_measured_differently_swap_in_the_same_index_at_the
     truth = brute_force(keys[:3200], np.arange(3200), q, 10)[0]
     for bank in banks:
         assert recall(bank.search(q, 10)[0], truth) >= autotune.RECALL - 0.03
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="page advice is read from Linux's smaps")
+def test_key_rows_are_kept_out_of_huge_pages():
+    """Appends touch the key rows a few at a time. numpy advises huge pages for large arrays, and
+    the first write into each 2 MB of such an array may then compact memory inside one update
+    (34-72 ms on this project's VM), so the rows are advised out of them (``nh`` in VmFlags)."""
+    n = 2 * (2 << 20) // (4 * D)  # two huge pages' worth
+    rows = key_rows(n, D)
+    assert rows.shape == (n, D) and rows.dtype == np.float32 and not rows.any()
+    rows[-1] = 1.0  # writable
+    start = rows.ctypes.data
+    with open("/proc/self/smaps") as f:
+        maps = f.read().split("\n")
+    for i, line in enumerate(maps):
+        lo, _, hi = line.split(" ", 1)[0].partition("-")
+        if hi and all(c in "0123456789abcdef" for c in lo + hi) and int(lo, 16) <= start < int(hi, 16):
+            flags = next(m for m in maps[i + 1:] if m.startswith("VmFlags:")).split()[1:]
+            assert "nh" in flags and "hg" not in flags
+            break
+    else:
+        raise AssertionError("no mapping holds the key rows")
+    small = key_rows(8, D)  # under one huge page: plain numpy
+    assert small.shape == (8, D) and not small.any()

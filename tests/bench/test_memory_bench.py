@@ -1,6 +1,7 @@
 """``make bench-memory`` runs end to end at toy sizes and prints every index row."""
 
 import math
+import statistics
 import os
 import subprocess
 import sys
@@ -70,6 +71,9 @@ def test_upkeep_keeps_a_full_bank_full_and_a_background_retrain_never_stops_the_
         assert behind.rebuilding.index(True) == 3 and behind.during >= 2 and not behind.rebuilding[-1]
         verdict = bank_upkeep.verdicts([], [behind])[0]
         assert f"retrain {bank_upkeep.MODES[mode]})" in verdict and ("(met: <= 2x)" in verdict or "(not met" in verdict)
+        over = sum(t > 2 * statistics.median(t for t, r in zip(behind.steps, behind.rebuilding) if not r)
+                   for t in behind.steps)
+        assert f", {over} of {len(behind.steps)} steps above 2x," in verdict and (over > 0) == (behind.ratio > 2)
     with pytest.raises(ValueError, match="stall mode 'idle' is unknown; expected one of inline, thread, lent"):
         bank_upkeep.stall(state, draw, "idle", seed=5, spec=spec)
     # capped before its rebuild was swapped in (here: before it began), a run cannot vouch for the swap step

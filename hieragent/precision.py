@@ -139,3 +139,9 @@ def autocast_dtype(precision: str | int | None) -> torch.dtype | None:
     them. "32-true", "64-true", "bf16-true" (weights already in bf16) and None give None.
     """
     return None if precision is None else _AUTOCAST.get(str(precision))
+
+
+def cast_for(model: torch.nn.Module, precision: str | int | None) -> torch.nn.Module:
+    """``model`` in the weights' dtype of a Lightning precision outside a Trainer (the benches):
+    bf16 under "bf16-true"; as it is otherwise ("bf16" is "bf16-mixed": fp32 weights)."""
+    return model.to(torch.bfloat16) if str(precision) == "bf16-true" else model

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from cli_helpers import make_workspace, run_cli
-from hieragent.precision import (ENV, autocast_dtype, machine_precision, matmul_speedup, read_cpu_flags,
+from hieragent.precision import (ENV, autocast_dtype, cast_for, machine_precision, matmul_speedup, read_cpu_flags,
                                  resolve_precision)
 
 # Flags as /proc/cpuinfo lists them: a Sapphire Rapids Xeon, and an EPYC with AVX512-BF16 only.
@@ -137,3 +137,12 @@ def test_a_bf16_mixed_cpu_fit_acts_and_trains_alike(tmp_path):
     rows = list(csv.DictReader(open(workdir / "lightning_logs/tiny/version_0/metrics.csv")))
     ratios = [float(r[k]) for r in rows for k in ("executor/ratio_max", "executor/ratio_min") if r.get(k)]
     assert len(ratios) == 4 and max(abs(r - 1.0) for r in ratios) < 1e-5
+
+
+def test_benches_cast_weights_only_under_a_true_precision():
+    """Outside a Trainer, "bf16-true" holds bf16 weights; "bf16" is Lightning's bf16-mixed (fp32
+    weights, bf16 autocast), as are the fp32 precisions."""
+    for precision, dtype in (("bf16-true", torch.bfloat16), ("bf16", torch.float32), ("bf16-mixed", torch.float32),
+                             ("32-true", torch.float32), (None, torch.float32)):
+        layer = cast_for(torch.nn.Linear(3, 2), precision)
+        assert layer.weight.dtype == dtype, precision

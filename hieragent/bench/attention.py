@@ -41,7 +41,7 @@ from hieragent.agents.scoring import candidate_logprobs
 from hieragent.engines.kv import GROUPED
 from hieragent.models.loading import load_causal_lm, load_tokenizer
 from hieragent.models.lora import LoraSettings, add_adapters
-from hieragent.precision import autocast_dtype, resolve_precision
+from hieragent.precision import autocast_dtype, cast_for, resolve_precision
 
 LAYOUTS = {"sdpa": "transformers' sdpa (repeat_kv)", GROUPED: "hieragent grouped"}
 
@@ -51,9 +51,8 @@ def setting(a: argparse.Namespace):
     model = "tiny" if a.quick else "smollm2"
     tokenizer = load_tokenizer(model)
     lm = add_adapters(load_causal_lm(model, seed=0), ["executor"], LoraSettings(r=8, alpha=16))
+    lm = cast_for(lm, a.precision)
     lm.train()
-    if a.precision in ("bf16-true", "bf16"):
-        lm = lm.to(torch.bfloat16)
     g = torch.Generator().manual_seed(a.seed)
     vocab = len(tokenizer)
     lengths = torch.randint(a.prompt * 3 // 4, a.prompt + 1, (a.turns,), generator=g).tolist()

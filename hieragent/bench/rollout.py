@@ -54,7 +54,7 @@ from hieragent.memory.bank import MemoryBank
 from hieragent.memory.settings import MemorySettings
 from hieragent.models.loading import load_causal_lm, load_tokenizer
 from hieragent.models.lora import LoraSettings, add_adapters
-from hieragent.precision import autocast_dtype, fastest, matmul_peak, resolve_precision
+from hieragent.precision import autocast_dtype, cast_for, fastest, matmul_peak, resolve_precision
 from hieragent.rollout.loop import RolloutSettings, collect
 
 REPO = Path(__file__).resolve().parents[2]
@@ -246,9 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = "tiny" if a.quick else "smollm2"
     tokenizer = load_tokenizer(model)
     lm = add_adapters(load_causal_lm(model, seed=0), ["planner", "executor"], LoraSettings(r=8, alpha=16))
+    lm = cast_for(lm, precision)
     lm.eval()
-    if precision in ("bf16-true", "bf16"):
-        lm = lm.to(torch.bfloat16)
     config = lm.get_base_model().config
     base = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n and "lora_" not in n)
     flop_token = 2 * base  # lm_head is tied to the embedding; its rows are counted apart
@@ -260,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
     bank.seed_from_jsonl(REPO / memory.seed_file)
 
     console = Console(width=max(Console().width, 150))
-    dtype = autocast or (torch.bfloat16 if precision in ("bf16-true", "bf16") else torch.float32)
+    dtype = autocast or next(lm.parameters()).dtype
     peak = matmul_peak(dtype)
     peaks = {"float32": matmul_peak(torch.float32), "bfloat16": matmul_peak(torch.bfloat16, seconds=0.5)}
     forwards = {"32-true": forward_seconds(lm, None), "bf16-mixed": forward_seconds(lm, torch.bfloat16)}

@@ -69,10 +69,15 @@ def of_env(transcript: list, i: int) -> list:
 
 
 def kill(pid: int) -> None:
-    """SIGKILL a worker and wait until it is dead (joined by multiprocessing, not reaped by us)."""
-    os.kill(pid, signal.SIGKILL)
+    """SIGKILL a worker and wait until it is dead (joined by multiprocessing, not reaped by us).
+
+    The worker is looked up before the kill: `active_children()` drops children that have
+    already exited, so a lookup after the signal can miss one that died quickly.
+    """
     [worker] = [p for p in multiprocessing.active_children() if p.pid == pid]
+    os.kill(pid, signal.SIGKILL)
     worker.join(10)
+    assert worker.exitcode == -signal.SIGKILL
 
 
 @pytest.fixture(scope="module")

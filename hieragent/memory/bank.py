@@ -181,12 +181,12 @@ class MemoryBank:
         self.latency["seconds"] += float(seconds)
 
     def texts(self, ids: Sequence[int] | np.ndarray) -> list[str]:
-        return [self._entries.text(i) for i in np.asarray(ids, dtype=np.int64).ravel()]
+        return [self._entries.text(i) for i in np.asarray(ids, dtype=np.int64).ravel().tolist()]
 
     def keys(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Stored key embeddings ``[len(ids), D]`` float32, exactly as added."""
         ids_arr = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).ravel())
-        for i in ids_arr:
+        for i in ids_arr.tolist():  # Python ints: a dict lookup each, no numpy scalar
             self._entries.slot(i)
         if len(ids_arr) == 0 or self._index is None:
             return np.zeros((0, self._dim or 0), dtype=np.float32)

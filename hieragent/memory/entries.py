@@ -12,7 +12,7 @@ by an eviction is reused by the next add, so the columns never outgrow the large
     numpy pass refills it, so an eviction costs O(N / POOL + log POOL) amortised.
   * **Statistics**: sizes by kind, the used count and the sum of used utilities are counters;
     the utility percentiles come from the used entries themselves up to ``SAMPLE`` of them,
-    above that from a uniform sample of ``SAMPLE`` (a list of used slots is kept for it),
+    above that from a uniform sample of ``SAMPLE`` (an array of the used slots is kept for it),
     which puts a percentile within about half a percentile point of the exact one.
 """
 
@@ -49,7 +49,7 @@ class EntryTable:
         self.sizes: Counter[str] = Counter({k: 0 for k in KINDS})
         self.used = 0  # entries with uses > 0
         self.utility_sum = 0.0  # over used entries
-        self._used_slots: list[int] = []  # slots of used entries, in any order
+        self._used_slots = np.zeros(0, dtype=np.int64)  # [:used]: slots of used entries, in any order
         self._used_at = np.zeros(0, dtype=np.int64)  # per slot: its place in _used_slots, or -1
         self._pool: list[tuple[float, int, int]] = []  # heap of (utility, created step, id)
         self._bound: tuple[float, int, int] | None = None  # every live key below it is in the pool
@@ -204,13 +204,13 @@ class EntryTable:
 
     # ---- statistics ----------------------------------------------------------------------
     def _mark_used(self, s: int) -> None:
-        self._used_at[s] = len(self._used_slots)
-        self._used_slots.append(s)
+        self._used_at[s] = self.used
+        self._used_slots[self.used] = s
         self.used += 1
         self.utility_sum += float(self._utility[s])
 
     def _unmark_used(self, s: int) -> None:
-        at, last = int(self._used_at[s]), self._used_slots.pop()
+        at, last = int(self._used_at[s]), int(self._used_slots[self.used - 1])
         if last != s:  # swap-remove: the last slot takes its place
             self._used_slots[at] = last
             self._used_at[last] = at
@@ -225,9 +225,9 @@ class EntryTable:
         out["bank/used_fraction"] = self.used / n if n else 0.0
         if self.used:
             if self.used <= SAMPLE:
-                slots = np.asarray(self._used_slots, dtype=np.int64)
+                slots = self._used_slots[: self.used]
             else:
-                slots = np.asarray([self._used_slots[j] for j in self._rng.integers(0, self.used, SAMPLE).tolist()])
+                slots = self._used_slots[self._rng.integers(0, self.used, SAMPLE)]
             p10, p50, p90 = np.percentile(self._utility[slots], (10, 50, 90))
             out.update({"bank/utility_p10": float(p10), "bank/utility_p50": float(p50),
                         "bank/utility_p90": float(p90), "bank/utility_mean": self.utility_sum / self.used})
@@ -242,7 +242,7 @@ class EntryTable:
                 "merges": self._merges[slots].tolist()}
 
     def _grow(self, cap: int) -> None:
-        for name in ("_id", "_kind", "_step", "_uses", "_utility", "_merges", "_live", "_used_at"):
+        for name in ("_id", "_kind", "_step", "_uses", "_utility", "_merges", "_live", "_used_at", "_used_slots"):
             old = getattr(self, name)
             new = np.zeros(cap, dtype=old.dtype)
             new[: len(old)] = old

@@ -122,7 +122,7 @@ class KeyIndex:
 
     def reconstruct(self, ids: np.ndarray) -> np.ndarray:
         """Exact stored keys ``[len(ids), D]``; unknown ids raise KeyError."""
-        rows = [self._row[int(i)] for i in ids]
+        rows = [self._row[i] for i in np.asarray(ids, dtype=np.int64).ravel().tolist()]
         return self._buf[rows] if rows else np.zeros((0, self.dim), dtype=np.float32)
 
     def search(self, q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:

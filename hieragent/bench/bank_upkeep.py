@@ -17,17 +17,24 @@ Three ways to rebuild (``MODES``): ``inline``, inside ``add`` (``background_from
 bank size: the old behaviour); ``thread``, in a background thread at ``build_nice`` while the
 old index serves (``build_loan`` 0); ``lent``, in a stopped child process that runs only on the
 update's loans (``build_loan``, the default). Reported: the median and the longest step, the
-swap step, and how long the rebuild took.
+swap step, and how long the rebuild took. Each step is also split into its parts: the fixed
+workload, the retrieval, the evolution, the loan to the build (``lend_index``), the metrics,
+each net of Python's garbage collection, which is its own part (``gc.callbacks``). A step
+above twice the median is put down to the part that exceeded its own median the most (the
+parts' medians over the steps with no rebuild), so that the verdict says whether the bank
+made a step long or the fixed workload itself ran slow (a busy shared machine).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,6 +51,8 @@ TURNS = 128  # planner turns per rollout batch (32 episodes of about 4 planner t
 EPISODES = 32
 UPDATES = 20
 STEP_MS = 150.0
+BASELINE = 20  # steps before the retrain starts, and after it is swapped in (the median's steps)
+PARTS = ("work", "retrieval", "evolution", "loan", "metrics", "gc")
 MODES = {"inline": "inline (in add)", "thread": "thread", "lent": "lent (process on loans)"}
 
 
@@ -60,21 +69,52 @@ def bank_state(keys: np.ndarray, seed: int) -> dict:
             "events": {}, "index": {}, "index_state": {}}
 
 
+class GcPauses:
+    """Milliseconds this process has spent in Python's garbage collector while installed
+    (``gc.callbacks``), so that a timed span can be split into GC and the rest."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms += 1e3 * (time.perf_counter() - self._t0)
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+NO_GC = GcPauses()  # never installed: reads 0 ms
+
+
 @dataclass
 class Update:
+    """Milliseconds per update, by part; with a ``GcPauses`` the parts are net of GC, which is
+    then a part of its own."""
     retrieval_ms: list[float] = field(default_factory=list)
     evolution_ms: list[float] = field(default_factory=list)
+    loan_ms: list[float] = field(default_factory=list)  # the rebuild's loan (``lend_index``)
     metrics_ms: list[float] = field(default_factory=list)
+    gc_ms: list[float] = field(default_factory=list)
 
     def totals(self) -> list[float]:
-        return [a + b + c for a, b, c in zip(self.retrieval_ms, self.evolution_ms, self.metrics_ms)]
+        return [sum(parts) for parts in zip(self.retrieval_ms, self.evolution_ms, self.loan_ms, self.metrics_ms,
+                                            self.gc_ms)]
 
 
 class Updater:
     """One trainer update's worth of bank work, on fresh vectors near the bank's keys."""
 
-    def __init__(self, bank: MemoryBank, draw: Callable[[int], np.ndarray], seed: int) -> None:
-        self.bank, self.draw = bank, draw
+    def __init__(self, bank: MemoryBank, draw: Callable[[int], np.ndarray], seed: int,
+                 pauses: GcPauses = NO_GC) -> None:
+        self.bank, self.draw, self.pauses = bank, draw, pauses
         self.adapter = QueryAdapter(bank.dim)
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = np.random.default_rng(seed)
@@ -82,10 +122,10 @@ class Updater:
 
     def __call__(self, out: Update) -> None:
         self.step += 1
-        t0 = time.perf_counter()
+        marks = [(time.perf_counter(), self.pauses.ms)]
         got = sample_retrievals(self.bank, self.adapter, self.draw(TURNS), n=8, k=2, temperature=1.0,
                                 generator=self.gen)
-        t1 = time.perf_counter()
+        marks.append((time.perf_counter(), self.pauses.ms))
         per_episode = TURNS // EPISODES
         for e in range(EPISODES):
             used = [r.entry_ids[c] for _, r in got[e * per_episode:(e + 1) * per_episode] if r for c in r.chosen]
@@ -96,13 +136,15 @@ class Updater:
         self.bank.add([f"lesson {self.step}.{j}" for j in range(half)], kind="lesson", step=self.step,
                       keys=keys[half:])
         self.bank.drain_changes()
+        marks.append((time.perf_counter(), self.pauses.ms))
         self.bank.lend_index()
-        t2 = time.perf_counter()
+        marks.append((time.perf_counter(), self.pauses.ms))
         self.bank.stats()
-        t3 = time.perf_counter()
-        out.retrieval_ms.append(1e3 * (t1 - t0))
-        out.evolution_ms.append(1e3 * (t2 - t1))
-        out.metrics_ms.append(1e3 * (t3 - t2))
+        marks.append((time.perf_counter(), self.pauses.ms))
+        spans = [(1e3 * (t1 - t0), g1 - g0) for (t0, g0), (t1, g1) in zip(marks, marks[1:])]
+        for parts, (ms, gc_ms) in zip((out.retrieval_ms, out.evolution_ms, out.loan_ms, out.metrics_ms), spans):
+            parts.append(ms - gc_ms)
+        out.gc_ms.append(sum(gc_ms for _, gc_ms in spans))
 
 
 def upkeep(keys: np.ndarray, draw: Callable[[int], np.ndarray], seed: int, spec: IndexSpec | None = None,
@@ -172,6 +214,7 @@ class Stall:
     cpu_s: float = float("nan")  # CPU seconds of the background build's thread
     swap_ms: float = float("nan")  # the caller's share of the swap, inside one step
     swap_step_ms: float = float("nan")  # the step that swapped the new index in
+    parts: dict[str, list[float]] = field(default_factory=dict)  # per step, by part (``PARTS``)
 
     @property
     def during(self) -> int:
@@ -192,56 +235,85 @@ class Stall:
         can be one hiccup of a shared machine)."""
         return sum(t > 2 * self.median for t in self.steps)
 
+    def quiet_median(self, part: str) -> float:
+        return statistics.median(v for v, r in zip(self.parts[part], self.rebuilding) if not r)
+
+    @property
+    def bank_over(self) -> int:
+        """Steps above twice the median even with the fixed workload at its median time: long
+        because of the bank's parts (its GC pauses included), not because the workload ran slow.
+        A build in a thread slows the workload itself, which this does not count; a lent one
+        is stopped outside its loans."""
+        work = self.quiet_median("work")
+        return sum(t - max(0.0, w - work) > 2 * self.median for t, w in zip(self.steps, self.parts["work"]))
+
+    def causes(self) -> Counter[str]:
+        """Each step above twice the median, put down to the part that exceeded its own median
+        (over the steps with no rebuild) the most."""
+        med = {p: self.quiet_median(p) for p in PARTS}
+        return Counter(max(PARTS, key=lambda p: self.parts[p][i] - med[p])
+                       for i, t in enumerate(self.steps) if t > 2 * self.median)
+
 
 def stall(state: dict, draw: Callable[[int], np.ndarray], mode: str, seed: int,
-          spec: IndexSpec | None = None, settle: int = 3, step_ms: float = STEP_MS,
+          spec: IndexSpec | None = None, baseline: int = BASELINE, step_ms: float = STEP_MS,
           max_steps: int = 20_000) -> Stall:
     """Training steps across one retrain of the index of the bank saved in ``state``, rebuilt
     as ``mode`` says (one of ``MODES``), at most ``max_steps`` (a rebuild beside a busy step
-    can take many)."""
+    can take many). The retrain starts in update ``baseline`` and ``baseline`` steps follow
+    its swap: the steps with no rebuild that the median is taken over."""
     if mode not in MODES:
         raise ValueError(f"stall mode '{mode}' is unknown; expected one of {', '.join(MODES)}")
     n = len(state["ids"])
     base = spec or IndexSpec()
-    # retrain once the bank has grown by ~4 updates of adds; the capacity leaves it room to grow
-    spec = dataclasses.replace(base, retrain_growth=1 + 4 * EPISODES / n,
+    # retrain once the bank has grown by ``baseline`` updates of adds; the capacity leaves it room to grow
+    spec = dataclasses.replace(base, retrain_growth=1 + baseline * EPISODES / n,
                                background_from=10**12 if mode == "inline" else 0,
                                build_loan=0.0 if mode == "thread" else base.build_loan or IndexSpec.build_loan)
-    bank = MemoryBank(capacity=n + 100 * EPISODES, index=spec)
+    bank = MemoryBank(capacity=n + (baseline + 100) * EPISODES, index=spec)
     bank.load_state_dict(state)
     index = bank._index
     if not trains(index.active, index.spec, index.dim, index.tuned):
-        # nothing to retrain (a graph of full keys): measure its rebuild, a compaction, once ~4 updates of
-        # evictions from the full bank have left that many dead rows
+        # nothing to retrain (a graph of full keys): measure its rebuild, a compaction, once ``baseline``
+        # updates of evictions from the full bank have left that many dead rows
         bank.capacity = n
-        spec = dataclasses.replace(spec, compact_fraction=4 * EPISODES / n)
+        spec = dataclasses.replace(spec, compact_fraction=baseline * EPISODES / n)
         index.spec = spec
-    step, update = workload(step_ms), Updater(bank, draw, seed)
+    pauses = GcPauses()
+    step, update = workload(step_ms), Updater(bank, draw, seed, pauses)
     times: list[float] = []
+    work: list[float] = []
+    parts = Update()
     rebuilding: list[bool] = []
     started = ended = None
     after = 0
     rebuilds = index.ops["rebuilds"]
-    while after < settle and len(times) < max_steps:
-        was = bool(index.building)
-        t0 = time.perf_counter()
-        step()
-        update(Update())
-        t1 = time.perf_counter()
-        times.append(1e3 * (t1 - t0))
-        done = index.ops["rebuilds"] > rebuilds
-        # the measured rebuild only (a buffer-growth rebuild may start in the settling steps)
-        rebuilding.append(ended is None and (was or bool(index.building) or done))
-        if started is None and (index.building or done):
-            started = t0
-            index.spec = dataclasses.replace(spec, retrain_growth=4.0, compact_fraction=0.5)  # one rebuild is the measurement
-        if ended is None and done:
-            ended = t1
-        after += ended is not None
+    with pauses:
+        while after <= baseline and len(times) < max_steps:  # the swap step, then ``baseline``
+            was = bool(index.building)
+            t0, g0 = time.perf_counter(), pauses.ms
+            step()
+            tw, gw = time.perf_counter(), pauses.ms
+            update(parts)
+            t1 = time.perf_counter()
+            times.append(1e3 * (t1 - t0))
+            work.append(1e3 * (tw - t0) - (gw - g0))
+            parts.gc_ms[-1] += gw - g0
+            done = index.ops["rebuilds"] > rebuilds
+            # the measured rebuild only (a buffer-growth rebuild may start in the settling steps)
+            rebuilding.append(ended is None and (was or bool(index.building) or done))
+            if started is None and (index.building or done):
+                started = t0  # one rebuild is the measurement: none after it
+                index.spec = dataclasses.replace(spec, retrain_growth=4.0, compact_fraction=0.5)
+            if ended is None and done:
+                ended = t1
+            after += ended is not None
     rebuild_s = (ended - started) if started is not None and ended is not None else float("nan")
     cpu_s = index.last_build[1] if mode != "inline" and index.last_build is not None else float("nan")
     swap_step = times[rebuilding.index(True) + sum(rebuilding) - 1] if any(rebuilding) else float("nan")
-    return Stall(MODES[mode], n, times, rebuilding, rebuild_s, cpu_s, 1e3 * index.last_swap_s, swap_step)
+    by_part = dict(zip(PARTS, (work, parts.retrieval_ms, parts.evolution_ms, parts.loan_ms, parts.metrics_ms,
+                               parts.gc_ms)))
+    return Stall(MODES[mode], n, times, rebuilding, rebuild_s, cpu_s, 1e3 * index.last_swap_s, swap_step, by_part)
 
 
 def upkeep_table(rows: list[tuple[int, str, Update, float]], goal_ms: float = 50.0) -> Table:
@@ -263,15 +335,33 @@ def upkeep_table(rows: list[tuple[int, str, Update, float]], goal_ms: float = 50
 def stall_table(rows: list[Stall]) -> Table:
     table = Table(title="training step across an index retrain (a fixed CPU step + one bank update)")
     for col in ("n", "retrain", "steps", "median step ms (no rebuild)", "median step ms (rebuilding)",
-                "longest step ms", "longest / median", "steps > 2x median", "longest before the swap ms",
+                "longest step ms", "longest / median", "steps > 2x median", "of them with the workload at its median",
+                "longest before the swap ms",
                 "swap step ms (swap)", "rebuild s", "its CPU s", "steps during rebuild"):
         table.add_column(col, justify="left" if col == "retrain" else "right")
     for r in rows:
         busy = [t for t, b in zip(r.steps, r.rebuilding) if b]
         table.add_row(f"{r.n:,}", r.mode, str(len(r.steps)), f"{r.median:.0f}", f"{statistics.median(busy):.0f}",
-                      f"{max(r.steps):.0f}", f"{r.ratio:.1f}x", str(r.over), f"{max(busy[:-1], default=math.nan):.0f}",
+                      f"{max(r.steps):.0f}", f"{r.ratio:.1f}x", str(r.over), str(r.bank_over),
+                      f"{max(busy[:-1], default=math.nan):.0f}",
                       f"{r.swap_step_ms:.0f} ({r.swap_ms:.0f})", f"{r.rebuild_s:.1f}",
                       "-" if math.isnan(r.cpu_s) else f"{r.cpu_s:.1f}", str(r.during))
+    return table
+
+
+def longest_table(rows: list[Stall], k: int = 5) -> Table:
+    """The ``k`` longest steps of each stall run, split into their parts (ms), beside the
+    parts' medians over the steps with no rebuild."""
+    table = Table(title=f"the {k} longest steps of each stall run, by part (ms; the first row of each run: the "
+                        f"medians with no rebuild)")
+    for col in ("n", "retrain", "step", "ms", "x median", "rebuilding", *PARTS):
+        table.add_column(col, justify="left" if col == "retrain" else "right")
+    for r in rows:
+        table.add_row(f"{r.n:,}", r.mode, "median", f"{r.median:.0f}", "1.0x", "no",
+                      *(f"{r.quiet_median(p):.1f}" for p in PARTS))
+        for i in sorted(range(len(r.steps)), key=lambda i: -r.steps[i])[:k]:
+            table.add_row("", "", str(i), f"{r.steps[i]:.0f}", f"{r.steps[i] / r.median:.1f}x",
+                          "yes" if r.rebuilding[i] else "no", *(f"{r.parts[p][i]:.1f}" for p in PARTS))
     return table
 
 
@@ -288,7 +378,11 @@ def verdicts(upkeep: list[tuple[int, str, Update, float]], stalls: list[Stall], 
             verdict = f"not shown: the rebuild had not finished after {len(r.steps)} steps"
         else:
             verdict = "met" if r.ratio <= 2 else "not met"
+        own = "met" if r.bank_over == 0 and not math.isnan(r.rebuild_s) else "not met"
+        causes = ", ".join(f"{part} {count}" for part, count in r.causes().most_common()) or "none"
         lines.append(f"stall (n={r.n:,}, retrain {r.mode}): longest step {r.ratio:.1f}x the median step without "
-                     f"a rebuild ({verdict}: <= 2x), {r.over} of {len(r.steps)} steps above 2x, rebuild "
+                     f"a rebuild ({verdict}: <= 2x), {r.over} of {len(r.steps)} steps above 2x (the part most over "
+                     f"its median: {causes}), {r.bank_over} still above 2x with the workload at its median time "
+                     f"(the bank's own parts: {own}), rebuild "
                      f"{r.rebuild_s:.1f} s over {r.during} steps")
     return lines

@@ -549,6 +549,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         console.print(bank_upkeep.upkeep_table(upkeep))
     if stalls:
         console.print(bank_upkeep.stall_table(stalls))
+        console.print(bank_upkeep.longest_table(stalls))
     spun = []
     if a.spinner:
         (_, alone, _), *beside = bank_upkeep.beside_spinner(step_ms=20.0 if a.quick else bank_upkeep.STEP_MS)

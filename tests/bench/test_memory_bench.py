@@ -1,5 +1,6 @@
 """``make bench-memory`` runs end to end at toy sizes and prints every index row."""
 
+import gc
 import math
 import statistics
 import os
@@ -18,10 +19,11 @@ from hieragent.memory.structures import IndexSpec
 def test_bench_prints_every_index_and_exact_paths_agree(capsys):
     rows = main(["--quick", "--spinner"])
     out = capsys.readouterr().out
-    for name in ("the fixed step beside a process spinning at niceness 10", "niceness 19", *EXACT, "IVF128,Flat", "IVF128,PQ48x4fs", "HNSW32", "bank KeyIndex (auto)", "finding",
+    for name in ("the fixed step beside a process spinning at niceness 10", "niceness 19", *EXACT, "IVF128,Flat",
+                 "IVF128,PQ48x4fs", "HNSW32", "bank KeyIndex (auto)", "finding",
                  "goal (clustered n=2,000)", "matmul peak fp32", "bank upkeep per training update",
                  "goal (upkeep n=2,000", "stall (n=2,000, retrain inline", "stall (n=2,000, retrain thread",
-                 "stall (n=2,000, retrain lent"):
+                 "stall (n=2,000, retrain lent", "the 5 longest steps of each stall run, by part"):
         assert name in out
     bank = [r for r in rows if r.index == "bank KeyIndex (auto)"]
     assert len(bank) == 2 and all(r.recall == 1.0 and r.params.startswith("flat") for r in bank)  # 2k keys: exact
@@ -62,18 +64,25 @@ def test_upkeep_keeps_a_full_bank_full_and_a_background_retrain_never_stops_the_
     assert len(timings.retrieval_ms) == len(timings.metrics_ms) == 4 and min(timings.totals()) > 0
     state = bank.state_dict()
     spec = IndexSpec(kind="ivf_flat", nlist=16)
-    inline = bank_upkeep.stall(state, draw, "inline", seed=5, spec=spec, step_ms=5.0)
+    inline = bank_upkeep.stall(state, draw, "inline", seed=5, spec=spec, step_ms=5.0, baseline=4)
     assert inline.during == 1 and math.isfinite(inline.rebuild_s) and math.isnan(inline.cpu_s)
     for mode in ("thread", "lent"):
-        behind = bank_upkeep.stall(state, draw, mode, seed=5, spec=spec, step_ms=5.0)
+        behind = bank_upkeep.stall(state, draw, mode, seed=5, spec=spec, step_ms=5.0, baseline=4)
         assert math.isfinite(behind.rebuild_s) and behind.cpu_s > 0  # its own thread or process did the work
         # the retrain started after 4 updates of adds, steps went on until it was swapped in, then it was over
-        assert behind.rebuilding.index(True) == 3 and behind.during >= 2 and not behind.rebuilding[-1]
+        assert behind.rebuilding.index(True) == 3 and behind.during >= 2
+        assert behind.rebuilding[-5:] == [True] + [False] * 4  # the swap step, then 4 steps with no rebuild
+        # the parts are spans inside each step, GC taken out of each and counted once
+        assert set(behind.parts) == set(bank_upkeep.PARTS)
+        assert all(len(v) == len(behind.steps) for v in behind.parts.values())
+        sums = [sum(parts) for parts in zip(*behind.parts.values())]
+        assert all(s <= t for s, t in zip(sums, behind.steps)) and sum(sums) > 0.9 * sum(behind.steps)
+        assert min(behind.parts["work"]) > 0 and min(behind.parts["gc"]) >= 0
         verdict = bank_upkeep.verdicts([], [behind])[0]
         assert f"retrain {bank_upkeep.MODES[mode]})" in verdict and ("(met: <= 2x)" in verdict or "(not met" in verdict)
         over = sum(t > 2 * statistics.median(t for t, r in zip(behind.steps, behind.rebuilding) if not r)
                    for t in behind.steps)
-        assert f", {over} of {len(behind.steps)} steps above 2x," in verdict and (over > 0) == (behind.ratio > 2)
+        assert f", {over} of {len(behind.steps)} steps above 2x (" in verdict and (over > 0) == (behind.ratio > 2)
     with pytest.raises(ValueError, match="stall mode 'idle' is unknown; expected one of inline, thread, lent"):
         bank_upkeep.stall(state, draw, "idle", seed=5, spec=spec)
     # capped before its rebuild was swapped in (here: before it began), a run cannot vouch for the swap step
@@ -100,3 +109,39 @@ def test_recall_counts_true_neighbours_found_ignoring_padding_and_order():
     assert recall_at_k(exact, brute) == 1.0
     shifted = np.where(np.arange(exact.shape[1]) < 3, exact, -1)  # keep the first 3 of each row
     assert recall_at_k(shifted, brute) == 3 / exact.shape[1]
+
+
+def test_gc_pauses_count_collections_only_while_installed():
+    pauses = bank_upkeep.GcPauses()
+    junk = [[i] for i in range(200_000)]  # something for a full collection to walk
+    gc.collect()
+    assert pauses.ms == 0.0
+    with pauses:
+        gc.collect()
+    inside = pauses.ms
+    gc.collect()
+    assert inside > 0 and pauses.ms == inside and bank_upkeep.NO_GC.ms == 0.0 and junk
+
+
+def test_stall_attributes_each_long_step_to_the_part_most_over_its_median():
+    rng = np.random.default_rng(11)
+    n = 400
+    parts = {p: list(rng.gamma(2.0, 10.0, n)) for p in bank_upkeep.PARTS}
+    for i in rng.choice(n, 40, replace=False):  # long steps, each from one part
+        parts[bank_upkeep.PARTS[i % len(bank_upkeep.PARTS)]][i] += rng.uniform(50, 400)
+    steps = [sum(v[i] for v in parts.values()) + rng.uniform(0, 0.1) for i in range(n)]
+    rebuilding = list(rng.random(n) < 0.7)
+    r = bank_upkeep.Stall("lent (process on loans)", 1000, steps, rebuilding, 1.0, parts=parts)
+    quiet = [i for i in range(n) if not rebuilding[i]]
+    med = {p: float(np.median(np.array(v, dtype=np.float64)[quiet])) for p, v in parts.items()}
+    step_med = float(np.median(np.array(steps, dtype=np.float64)[quiet]))
+    long = [i for i in range(n) if steps[i] > 2 * step_med]
+    want = {}
+    for i in long:
+        cause = max(bank_upkeep.PARTS, key=lambda p: parts[p][i] - med[p])
+        want[cause] = want.get(cause, 0) + 1
+    assert long and dict(r.causes()) == want and r.over == len(long)
+    own = [i for i in long if steps[i] - max(0.0, parts["work"][i] - med["work"]) > 2 * step_med]
+    assert r.bank_over == len(own) < len(long)  # the long workloads are not the bank's
+    line = bank_upkeep.verdicts([], [r])[0]
+    assert f"{len(own)} still above 2x with the workload at its median time (the bank's own parts: not met)" in line

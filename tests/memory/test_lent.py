@@ -66,8 +66,7 @@ def test_a_lent_build_takes_cpu_only_on_loans_and_loses_no_entry(keys):
     pid = started(index)
     # the keys twice (the mapping keeps a descriptor of its own), the request, the result, the child's stderr
     assert memfds(before) == Counter({"keys": 2, "request": 1, "result": 1, "stderr": 1})
-    time.sleep(0.2)  # a stop signal takes effect when the process next runs
-    state, ticks = proc_stat(pid)
+    state, ticks = proc_stat(pid)  # stopped already: the caller waits for its stop to take effect
     time.sleep(0.5)  # no loan: the process stays stopped and spends nothing
     assert state == "T" and proc_stat(pid) == ("T", ticks)
     index.add(ids[700:2000], x[700:2000])  # meanwhile adds, removals and exact searches go on
@@ -76,11 +75,14 @@ def test_a_lent_build_takes_cpu_only_on_loans_and_loses_no_entry(keys):
     live = dict(zip(ids[50:1950].tolist(), x[50:1950]))
     truth, _ = brute_force(x[50:1950], ids[50:1950], q, 10)
     assert recall(index.search(q, 10)[0], truth) == 1.0
-    loans = 0
+    loans, running = 0, 0
     while index.building:
         index.lend(0.02)
         loans += 1
-    assert index.active == "ivf_flat" and loans > 1 and index.trained_at == 700
+        child = index._job.lent._proc if index._job is not None and index._job.lent is not None else None
+        if child is not None and child.poll() is None:  # between loans: stopped the moment a loan ends
+            running += proc_stat(child.pid)[0] != "T"
+    assert index.active == "ivf_flat" and loans > 1 and index.trained_at == 700 and running == 0
     assert memfds(before) in (Counter(), Counter(keys=1))  # at most the mapping the new rows may live in
     assert index.last_build[1] > 0  # the process's CPU seconds
     with pytest.raises(ProcessLookupError):

@@ -7,7 +7,9 @@ log-probabilities comparable.
 
 Prompts are left-padded so that each prompt's last token sits at the same position; the
 prompt is run once, its cache is repeated for every continuation of that prompt, and the
-continuations (right-padded) are run on top with explicit position ids.
+continuations (right-padded) are run on top with explicit position ids. Where the model
+allows (``agents.head.plain_head``), the continuations' hidden states go through the output
+head a block of rows at a time, and no row of vocabulary logits outlives its block.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from hieragent.agents.head import head_logprobs, plain_head
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -50,8 +54,11 @@ def token_logprobs(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Ten
     Generation and the trainer's recomputation both call this, so the behaviour and the
     current log-probs of a turn agree at any temperature.
     """
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)  # [..., V]
-    return logp.gather(-1, ids[..., None]).squeeze(-1)
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    # the same sum as head_logprobs, so that both ways of scoring a token round alike
+    return logits.gather(-1, ids[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 @dataclass
@@ -112,21 +119,31 @@ def continuation_logprobs(
     device = next(model.parameters()).device
     if prompt is None:
         prompt = prompt_pass(model, prompts, pad_id)
-    cache = prompt.cache
     row_idx = torch.tensor(rows, dtype=torch.long, device=device)  # [M]
-    cache.reorder_cache(row_idx)
-
     cont_ids, cont_mask = right_pad(continuations, pad_id, device)  # [M, L]
-    cont_pos = prompt.lengths[row_idx][:, None] + torch.arange(cont_ids.shape[1], device=device)  # [M, L]
-    full_mask = torch.cat([prompt.mask[row_idx], cont_mask], dim=1)  # [M, W + L]
     width = cont_ids.shape[1]
-    # the last position predicts nothing we score: skip its vocabulary projection
-    keep = torch.arange(max(width - 1, 1), device=device)
-    out2 = model(input_ids=cont_ids, attention_mask=full_mask, position_ids=cont_pos,
-                 cache=cache, use_cache=True, logits_to_keep=keep)
     # token 0 is predicted by the prompt's last position, token j by continuation j-1
-    tok0 = token_logprobs(prompt.last_logits[row_idx], cont_ids[:, 0], temperature)  # [M]
-    tok_rest = token_logprobs(out2.logits[:, : width - 1], cont_ids[:, 1:], temperature)  # [M, L-1]
+    # (each prompt's row of logits is normalised once, not once per continuation)
+    last = prompt.last_logits.float()  # [B, V]
+    if temperature != 1.0:
+        last = last / temperature
+    tok0 = last[row_idx, cont_ids[:, 0]] - torch.logsumexp(last, dim=-1)[row_idx]  # [M]
+    if width == 1:  # every continuation is one token: the prompts' pass predicted them all
+        return [tok0[j:j + 1] for j in range(len(continuations))]
+
+    cache = prompt.cache
+    cache.reorder_cache(row_idx)
+    cont_pos = prompt.lengths[row_idx][:, None] + torch.arange(width, device=device)  # [M, L]
+    full_mask = torch.cat([prompt.mask[row_idx], cont_mask], dim=1)  # [M, W + L]
+    inputs = dict(input_ids=cont_ids[:, :-1], attention_mask=full_mask[:, :-1], position_ids=cont_pos[:, :-1],
+                  cache=cache, use_cache=True)  # the last position predicts nothing we score
+    head = plain_head(model)
+    if head is None:
+        logits = model(**inputs).logits  # [M, L-1, V]
+        tok_rest = token_logprobs(logits, cont_ids[:, 1:], temperature)  # [M, L-1]
+    else:
+        hidden = model.get_decoder()(**inputs).last_hidden_state  # [M, L-1, H]
+        tok_rest = head_logprobs(hidden, head.weight, cont_ids[:, 1:], temperature)  # [M, L-1]
     per_token = torch.cat([tok0[:, None], tok_rest], dim=1)  # [M, L]
     return [per_token[j, : len(c)] for j, c in enumerate(continuations)]
 

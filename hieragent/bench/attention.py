@@ -1,22 +1,27 @@
-"""``make bench-attention``: what the trainer's attention costs, transformers' SDPA against ours.
+"""``make bench-attention``: what the trainer's attention and output head cost, transformers'
+way against ours.
 
 The trainer scores recorded turns with a forward and a backward pass (``score`` mode: each
 turn's prompt, then its candidates on the prompt's cache). transformers' ``sdpa`` copies
 every key/value head once per query head whenever a mask is given (``repeat_kv``), in every
 layer, and the backward pass keeps those copies. hieragent loads its models with
-``engines.kv.grouped_attention``, which attends on the key/value heads as they are.
+``engines.kv.grouped_attention``, which attends on the key/value heads as they are. And
+the model's own forward turns every scored position into a row of vocabulary logits (and
+the backward into more such rows), where hieragent's ``agents.head`` takes the hidden
+states through the output head a block of rows at a time.
 
 On synthetic turns at the shape of a BabyAI planner turn (``--turns`` turns of up to
 ``--prompt`` tokens, each with ``--candidates`` candidates of 1 to ``--candidate-tokens``
 tokens; prompts of different lengths, so padded),
-each layout runs the same forward and backward with SmolLM2-135M and its LoRA adapter, in
-the precision ``hieragent fit`` would choose here:
+each variant (SDPA with full logits, grouped attention with full logits, grouped attention
+with the blocked head: the trainer's) runs the same forward and backward with SmolLM2-135M
+and its LoRA adapter, in the precision ``hieragent fit`` would choose here:
 
-* time: the median of ``--reps`` calls, the two layouts alternating in one process, and the
-  ratio against SDPA's measured in the same run;
-* memory: the peak resident memory of one call above the memory before it, each layout in a
-  fresh process of its own (so that neither reuses memory the other freed);
-* agreement: the largest difference between the two layouts' log-probabilities.
+* time: the median of ``--reps`` calls, the variants alternating in one process, and the
+  ratio against the first's measured in the same run;
+* memory: the peak resident memory of one call above the memory before it, each variant in
+  a fresh process of its own (so that none reuses memory another freed);
+* agreement: the largest difference between a variant's log-probabilities and the first's.
 
 ``--quick`` runs the tiny random model at small sizes (the test).
 """
@@ -37,13 +42,17 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from hieragent.agents.head import full_logits
 from hieragent.agents.scoring import candidate_logprobs
 from hieragent.engines.kv import GROUPED
 from hieragent.models.loading import load_causal_lm, load_tokenizer
 from hieragent.models.lora import LoraSettings, add_adapters
 from hieragent.precision import autocast_dtype, cast_for, resolve_precision
 
-LAYOUTS = {"sdpa": "transformers' sdpa (repeat_kv)", GROUPED: "hieragent grouped"}
+# name -> (attention, blocked head, row label); the first is the baseline
+VARIANTS = {"sdpa": ("sdpa", False, "sdpa (repeat_kv), full logits"),
+            "grouped": (GROUPED, False, "grouped, full logits"),
+            "trainer": (GROUPED, True, "grouped, blocked head (trainer)")}
 
 
 def setting(a: argparse.Namespace):
@@ -63,12 +72,14 @@ def setting(a: argparse.Namespace):
     return lm, tokenizer.pad_token_id, prompts, cands, autocast_dtype(a.precision)
 
 
-def call(lm, pad_id, prompts, cands, autocast, layout: str) -> list[torch.Tensor]:
-    """One forward and backward under ``layout``; returns the log-probabilities."""
-    lm.get_base_model().config._attn_implementation = layout
+def call(lm, pad_id, prompts, cands, autocast, variant: str) -> list[torch.Tensor]:
+    """One forward and backward of ``variant``; returns the log-probabilities."""
+    attention, blocked, _ = VARIANTS[variant]
+    lm.get_base_model().config._attn_implementation = attention
     lm.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=autocast) if autocast is not None else nullcontext():
-        lps = candidate_logprobs(lm, prompts, cands, pad_id)
+        with nullcontext() if blocked else full_logits():
+            lps = candidate_logprobs(lm, prompts, cands, pad_id)
     sum(lp.sum() for lp in lps).backward()
     return [lp.detach().float() for lp in lps]
 
@@ -80,7 +91,7 @@ def rss_mb() -> tuple[int, int]:
 
 
 def child(a: argparse.Namespace) -> None:
-    """One call of ``a.child``'s layout in this fresh process; prints its peak above the start."""
+    """One call of ``a.child``'s variant in this fresh process; prints its peak above the start."""
     lm, pad_id, prompts, cands, autocast = setting(a)
     with open("/proc/self/clear_refs", "w") as f:  # resets the peak (VmHWM)
         f.write("5")
@@ -89,10 +100,10 @@ def child(a: argparse.Namespace) -> None:
     print(json.dumps({"peak_mb": rss_mb()[1] - before}))
 
 
-def peak_in_fresh_process(argv: list[str], layout: str) -> int | None:
+def peak_in_fresh_process(argv: list[str], variant: str) -> int | None:
     if not os.access("/proc/self/clear_refs", os.W_OK):
         return None
-    out = subprocess.run([sys.executable, "-m", "hieragent.bench.attention", *argv, "--child", layout],
+    out = subprocess.run([sys.executable, "-m", "hieragent.bench.attention", *argv, "--child", variant],
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_mb"]
 
@@ -119,31 +130,35 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     # the children get this run's arguments, with the precision chosen here (the last one wins)
     shared = [*(sys.argv[1:] if argv is None else argv), f"--precision={a.precision}"]
+    # the fresh processes first, while this one holds no model (on 24 GB, an fp32 SmolLM2
+    # child beside a parent that had run the full-logit variants was killed for memory)
+    peaks = {v: peak_in_fresh_process(shared, v) for v in VARIANTS}
     lm, pad_id, prompts, cands, autocast = setting(a)
-    first = {layout: call(lm, pad_id, prompts, cands, autocast, layout) for layout in LAYOUTS}  # warm-up
-    gap = max((x - y).abs().max().item() for x, y in zip(*first.values()))
-    seconds: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+    first = {v: call(lm, pad_id, prompts, cands, autocast, v) for v in VARIANTS}  # warm-up
+    base = next(iter(VARIANTS))
+    gap = {v: max((x - y).abs().max().item() for x, y in zip(lps, first[base])) for v, lps in first.items()}
+    seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for _ in track(range(a.reps), description="bench-attention: timing"):
-        for layout in LAYOUTS:
+        for v in VARIANTS:
             start = time.perf_counter()
-            call(lm, pad_id, prompts, cands, autocast, layout)
-            seconds[layout].append(time.perf_counter() - start)
-    peaks = {layout: peak_in_fresh_process(shared, layout) for layout in LAYOUTS}
-    median = {layout: statistics.median(s) for layout, s in seconds.items()}
+            call(lm, pad_id, prompts, cands, autocast, v)
+            seconds[v].append(time.perf_counter() - start)
+    median = {v: statistics.median(s) for v, s in seconds.items()}
 
     console = Console(width=max(Console().width, 120))
     table = Table(title=(f"bench-attention: {'tiny' if a.quick else 'smollm2'}, {a.turns} turns of up to "
                          f"{a.prompt} prompt tokens, {a.candidates} candidates each; precision {a.precision} "
                          f"({reason}); {os.cpu_count()} CPUs, torch {torch.__version__}"))
-    for col in ("layout", "s per forward+backward (median)", "vs sdpa", "peak MB above start", "vs sdpa"):
-        table.add_column(col, justify="left" if col == "layout" else "right")
-    for layout, name in LAYOUTS.items():
-        peak, base = peaks[layout], peaks["sdpa"]
-        table.add_row(name, f"{median[layout]:.3f}", f"{median[layout] / median['sdpa']:.2f}",
+    for col in ("variant", "s per forward+backward (median)", f"vs {base}", "peak MB above start", f"vs {base}"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for v, (_, _, label) in VARIANTS.items():
+        peak, base_peak = peaks[v], peaks[base]
+        table.add_row(label, f"{median[v]:.3f}", f"{median[v] / median[base]:.2f}",
                       "n/a" if peak is None else str(peak),
-                      "n/a" if peak is None or not base else f"{peak / base:.2f}")
+                      "n/a" if peak is None or not base_peak else f"{peak / base_peak:.2f}")
     console.print(table)
-    console.print(f"largest log-probability difference between the layouts: {gap:.2e}")
+    console.print("largest log-probability difference from the first: "
+                  + ", ".join(f"{v} {gap[v]:.2e}" for v in VARIANTS if v != base))
     return {"seconds": seconds, "peak_mb": peaks, "gap": gap, "precision": a.precision}
 
 

@@ -19,3 +19,19 @@ def make_workspace(path: Path) -> Path:
     (path / "configs").symlink_to(REPO / "configs")
     (path / "data").symlink_to(REPO / "data")
     return path
+
+
+def run_cli_here(args, cwd, monkeypatch, capsys):
+    """The CLI's ``main`` in this process, from ``cwd``: for runs that end at start (a refusal,
+    a bad key), without a subprocess's start-up (about 10 s of imports on a slow machine)."""
+    from hieragent.cli import main
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["hieragent", *args])
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as ended:
+        code = ended.code if isinstance(ended.code, int) else int(ended.code is not None)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["hieragent", *args], code, out.out, out.err)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hieragent.memory
-from cli_helpers import run_cli
+from cli_helpers import run_cli, run_cli_here
 from hieragent.memory.bank import MemoryBank
 
 TEXTS = ["mission: go to the red ball. plan: go to the red ball",
@@ -36,24 +36,25 @@ def test_export_writes_every_entry_exactly(checkpoint, tmp_path):
     assert [r["uses"] for r in rows] == [0, 1, 1] and rows[1]["utility"] == 1.0
 
 
-def test_list_sorts_by_utility_and_search_finds_the_nearest_key(checkpoint, tmp_path):
+def test_list_sorts_by_utility_and_search_finds_the_nearest_key(checkpoint, tmp_path, monkeypatch, capsys):
     path, _ = checkpoint
-    listed = run_cli(["bank", "list", "--ckpt_path", str(path), "--sort", "utility"], tmp_path)
+    listed = run_cli_here(["bank", "list", "--ckpt_path", str(path), "--sort", "utility"], tmp_path,
+                          monkeypatch, capsys)
     assert listed.returncode == 0, listed.stderr[-2000:]
     assert listed.stdout.index("open the blue door") < listed.stdout.index("pick up the green key") \
         < listed.stdout.index("go to the red ball")  # utilities 1.0, 0.5, 0.0
-    found = run_cli(["bank", "search", "--ckpt_path", str(path), "--query", "open a blue door", "--k", "1"],
-                    tmp_path)
+    found = run_cli_here(["bank", "search", "--ckpt_path", str(path), "--query", "open a blue door", "--k", "1"],
+                         tmp_path, monkeypatch, capsys)
     assert found.returncode == 0, found.stderr[-2000:]
     assert "open the blue door" in found.stdout and "red ball" not in found.stdout
 
 
-def test_a_checkpoint_without_a_bank_is_a_one_line_error(tmp_path):
+def test_a_checkpoint_without_a_bank_is_a_one_line_error(tmp_path, monkeypatch, capsys):
     path = tmp_path / "flat.ckpt"
     torch.save({"state_dict": {}, "hieragent": {"bank": None}}, path)
-    out = run_cli(["bank", "list", "--ckpt_path", str(path)], tmp_path)
+    out = run_cli_here(["bank", "list", "--ckpt_path", str(path)], tmp_path, monkeypatch, capsys)
     assert out.returncode == 2 and "holds no memory bank" in out.stderr and "Traceback" not in out.stderr
-    missing = run_cli(["bank", "list", "--ckpt_path", str(tmp_path / "nope.ckpt")], tmp_path)
+    missing = run_cli_here(["bank", "list", "--ckpt_path", str(tmp_path / "nope.ckpt")], tmp_path, monkeypatch, capsys)
     assert missing.returncode == 2 and "nope.ckpt" in missing.stderr
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import yaml
 
-from cli_helpers import REPO, make_workspace, run_cli as run
+from cli_helpers import REPO, make_workspace, run_cli as run, run_cli_here
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,8 @@ def test_fit_writes_checkpoint_then_test_and_resume(workdir):
     (["--data.env", "BabyAI-Foo-v0"], "BabyAI-Foo-v0"),
     (["--ckpt_path", "missing.ckpt"], "missing.ckpt"),
 ])
-def test_bad_input_fails_clearly_and_writes_nothing(workspace, args, expected):
-    out = run(["fit", "--config", "configs/tiny.yaml", *args], workspace)
+def test_bad_input_fails_clearly_and_writes_nothing(workspace, args, expected, monkeypatch, capsys):
+    out = run_cli_here(["fit", "--config", "configs/tiny.yaml", *args], workspace, monkeypatch, capsys)
     assert out.returncode != 0
     assert expected in out.stderr
     assert not (workspace / "lightning_logs").exists()
@@ -100,8 +100,9 @@ def test_fit_with_env_worker_processes_and_the_loop_guard(workspace):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine may run the vllm engine")
-def test_vllm_engine_without_a_gpu_fails_at_start_in_one_line_and_writes_nothing(workspace):
-    out = run(["fit", "--config", "configs/tiny.yaml", "--model.engine", "vllm"], workspace)
+def test_vllm_engine_without_a_gpu_fails_at_start_in_one_line_and_writes_nothing(workspace, monkeypatch, capsys):
+    out = run_cli_here(["fit", "--config", "configs/tiny.yaml", "--model.engine", "vllm"], workspace,
+                       monkeypatch, capsys)
     assert out.returncode == 2
     errors = [line for line in out.stderr.splitlines() if line.startswith("hieragent: error")]
     assert len(errors) == 1, out.stderr[-2000:]

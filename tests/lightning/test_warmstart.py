@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from acting_helpers import prompt_ids
-from cli_helpers import run_cli
+from cli_helpers import run_cli, run_cli_here
 from hieragent.agents.policy import Executor, Planner
 from hieragent.lightning.warmstart import _turn
 from hieragent.rollout.demos import demonstrations, write_demonstrations
@@ -96,9 +96,9 @@ def test_warm_start_raises_success_and_rl_starts_from_its_checkpoint(workspace):
     assert rl_summary["before"] == summary["after"]
 
 
-def test_init_from_a_missing_checkpoint_is_a_one_line_error(workspace):
-    out = run_cli(["fit", "--config", "configs/tiny.yaml", "--model.init_from", "nope.ckpt",
-                   "--trainer.max_steps", "1"], workspace)
+def test_init_from_a_missing_checkpoint_is_a_one_line_error(workspace, monkeypatch, capsys):
+    out = run_cli_here(["fit", "--config", "configs/tiny.yaml", "--model.init_from", "nope.ckpt",
+                        "--trainer.max_steps", "1"], workspace, monkeypatch, capsys)
     assert out.returncode == 2
     assert "model.init_from" in out.stderr and "nope.ckpt" in out.stderr
     assert "Traceback" not in out.stderr

@@ -57,7 +57,7 @@ def token_logprobs(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Ten
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    # the same sum as head_logprobs, so that both ways of scoring a token round alike
+    # logit minus logsumexp, as head_logprobs computes it, so both ways of scoring round alike
     return logits.gather(-1, ids[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 

@@ -27,7 +27,7 @@ def run_cli_here(args, cwd, monkeypatch, capsys):
     from hieragent.cli import main
 
     monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", ["hieragent", *args])
+    monkeypatch.setattr(sys, "argv", ["hieragent"])  # the arguments go to main, as LightningCLI asks
     try:
         main(list(args))
         code = 0

@@ -78,6 +78,8 @@ def test_scoring_through_the_blocked_head_equals_full_logits_with_gradients(tiny
         torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
     assert [w is None for w in want_grad] == [w is None for w in got_grad]
     assert any(w is not None and w.abs().max() > 0 for w in want_grad)
+    # float32 sums in another order (and thread timing) move a gradient entry by a few 1e-6:
+    # a wrong temperature, sign or row would move them by tens of percent
     for got, want in zip(got_grad, want_grad):
         if want is not None:
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=2e-5)

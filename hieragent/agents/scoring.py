@@ -47,17 +47,20 @@ def right_pad(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple
     return ids, mask
 
 
-def token_logprobs(logits: Tensor, ids: Tensor, temperature: float = 1.0) -> Tensor:
+def token_logprobs(logits: Tensor, ids: Tensor, temperature: float = 1.0, rows: Tensor | None = None) -> Tensor:
     """``log softmax(logits / temperature)[ids]``: the log-probability of each token under the
     distribution it was (or would be) sampled from. ``logits [..., V]``, ``ids [...]`` -> ``[...]``
 
     Generation and the trainer's recomputation both call this, so the behaviour and the
-    current log-probs of a turn agree at any temperature.
+    current log-probs of a turn agree at any temperature. With ``rows [M]`` (``logits [B, V]``,
+    ``ids [M]``), token ``j`` is scored on row ``rows[j]``, each row normalised once.
     """
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     # logit minus logsumexp, as head_logprobs computes it, so both ways of scoring round alike
+    if rows is not None:
+        return logits[rows, ids] - torch.logsumexp(logits, dim=-1)[rows]
     return logits.gather(-1, ids[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
@@ -123,11 +126,7 @@ def continuation_logprobs(
     cont_ids, cont_mask = right_pad(continuations, pad_id, device)  # [M, L]
     width = cont_ids.shape[1]
     # token 0 is predicted by the prompt's last position, token j by continuation j-1
-    # (each prompt's row of logits is normalised once, not once per continuation)
-    last = prompt.last_logits.float()  # [B, V]
-    if temperature != 1.0:
-        last = last / temperature
-    tok0 = last[row_idx, cont_ids[:, 0]] - torch.logsumexp(last, dim=-1)[row_idx]  # [M]
+    tok0 = token_logprobs(prompt.last_logits, cont_ids[:, 0], temperature, rows=row_idx)  # [M]
     if width == 1:  # every continuation is one token: the prompts' pass predicted them all
         return [tok0[j:j + 1] for j in range(len(continuations))]
 

@@ -203,6 +203,14 @@ class MemoryBank:
             return np.zeros((len(q), 0), dtype=np.int64), np.zeros((len(q), 0), dtype=np.float32)
         return self._index.search(q, n)
 
+    def search_with_keys(self, query_vecs: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``search`` and the stored keys of what it found: ``ids [B, n'], scores [B, n'], keys [B, n', D]``."""
+        q = self._as_matrix(query_vecs, "query_vecs")
+        if len(self) == 0 or n <= 0 or self._index is None:
+            ids, scores = self.search(q, n)
+            return ids, scores, np.zeros((len(q), 0, self._dim or 0), dtype=np.float32)
+        return self._index.search_with_keys(q, n)
+
     # ---- writing ---------------------------------------------------------------------------
     def add(
         self,
@@ -283,9 +291,8 @@ class MemoryBank:
             return [None] * len(vecs)
         ids, scores = self._index.search(vecs, min(len(self._index), 16))
         out: list[tuple[int, float] | None] = []
-        for row_ids, row_scores in zip(ids, scores):
-            same = [(int(i), float(sc)) for i, sc in zip(row_ids, row_scores) if self._entries.kind(i) == kind]
-            out.append(same[0] if same else None)
+        for row_ids, row_scores in zip(ids.tolist(), scores.tolist()):
+            out.append(next(((i, sc) for i, sc in zip(row_ids, row_scores) if self._entries.kind(i) == kind), None))
         return out
 
     def _evict_over_capacity(self, step: int = 0) -> None:
@@ -315,7 +322,7 @@ class MemoryBank:
 
         Ids evicted since retrieval (or -1) are skipped: the episode may outlive its entries.
         """
-        self._entries.credit(dict.fromkeys(int(i) for i in np.asarray(ids, dtype=np.int64).ravel()), episode_return)
+        self._entries.credit(np.asarray(ids, dtype=np.int64).ravel().tolist(), episode_return)
 
     def seed_from_jsonl(self, path: str | Path, step: int = 0) -> list[int]:
         """Add entries from a JSONL file of ``{"kind": "skill", "text": "..."}`` lines."""

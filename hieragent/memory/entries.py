@@ -124,17 +124,19 @@ class EntryTable:
         self._merges[self.slot(entry_id)] += 1
 
     def credit(self, ids: Iterable[int], episode_return: float) -> None:
-        """One more use for each held id, and the return folded into its running mean."""
-        for i in ids:
-            s = self._slot.get(int(i))
-            if s is None:
-                continue
-            if self._uses[s] == 0:
-                self._mark_used(s)
-            old = self._utility[s]
-            self._uses[s] += 1
-            self._utility[s] += (float(episode_return) - old) / self._uses[s]
-            self.utility_sum += self._utility[s] - old
+        """One more use for each held id (once however often it is listed), and the return
+        folded into its running mean."""
+        held = [s for s in map(self._slot.get, dict.fromkeys(map(int, ids))) if s is not None]
+        if not held:
+            return
+        slots = np.asarray(held, dtype=np.int64)
+        for s in slots[self._uses[slots] == 0].tolist():
+            self._mark_used(s)
+        old = self._utility[slots]
+        self._uses[slots] += 1
+        self._utility[slots] = old + (float(episode_return) - old) / self._uses[slots]
+        self.utility_sum += float((self._utility[slots] - old).sum())
+        for s in held:
             self._offer(s)
 
     # ---- eviction order ------------------------------------------------------------------
@@ -143,8 +145,8 @@ class EntryTable:
 
     def _offer(self, s: int) -> None:
         """Push slot ``s``'s (new) key into the pool if it falls below the bound."""
-        if self._bound is not None and self._key(s) <= self._bound:
-            heapq.heappush(self._pool, self._key(s))
+        if self._bound is not None and (key := self._key(s)) <= self._bound:
+            heapq.heappush(self._pool, key)
 
     def lowest(self, count: int) -> list[int]:
         """The ``count`` ids first by (utility, created step, id): the eviction order."""

@@ -131,6 +131,17 @@ class KeyIndex:
         Rows an approximate index cannot fill (an IVF probe that reaches too few keys) are
         answered by exact search, so every row holds ``n'`` real ids.
         """
+        rows, scores = self._top_rows(q, n)
+        return self._rid[rows], scores
+
+    def search_with_keys(self, q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``search`` and the exact keys of what it found, ``[B, n', D]``, read by row: no id
+        lookup per candidate (at 1M entries, those of a batch of 128 queries x 8 candidates
+        took about 5 ms, a fifth of the retrieval's time)."""
+        rows, scores = self._top_rows(q, n)
+        return self._rid[rows], scores, self._buf[rows]
+
+    def _top_rows(self, q: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         self._poll()
         q = np.ascontiguousarray(q, dtype=np.float32)
         self._remember(q)
@@ -143,7 +154,7 @@ class KeyIndex:
         if short.any():
             rows, scores = rows[:, :n].copy(), scores[:, :n].copy()
             rows[short], scores[short] = self._exact(q[short], n)
-        return self._rid[rows[:, :n]], scores[:, :n]
+        return rows[:, :n], scores[:, :n]
 
     def _remember(self, q: np.ndarray) -> None:
         """Keep the last ``QUERIES_KEPT`` queries (a ring): ``auto`` tunes on what is asked."""
@@ -185,7 +196,10 @@ class KeyIndex:
         self._set_bits(start, end)
         self._row.update(zip(ids.tolist(), range(start, end)))
         self._n = end
-        self._faiss.add(keys)  # labels start at ntotal == start: each key is labelled by its row
+        # IVF assigns them to lists, a flat search: 16 keys against 4096 lists took 1.2-1.4 ms on BLAS
+        # against 1.7-1.9 ms on FAISS's per-query path (the 2-core EPYC)
+        with blas_search(len(keys)):
+            self._faiss.add(keys)  # labels start at ntotal == start: each key is labelled by its row
         self._maybe_rebuild()
 
     def remove(self, ids: np.ndarray) -> None:

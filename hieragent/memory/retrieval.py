@@ -167,9 +167,8 @@ def sample_retrievals(
         frozen = bank.embed(list(queries))  # [B, D]
     with torch.no_grad():
         adapted = _adapt(adapter, torch.from_numpy(frozen)).float().cpu()  # [B, D]
-    ids, _ = bank.search(adapted.numpy(), n)  # [B, N]
+    ids, _, keys = bank.search_with_keys(adapted.numpy(), n)  # [B, N], [B, N, D]
     n_eff, k_eff = ids.shape[1], min(k, ids.shape[1])
-    keys = bank.keys(ids.reshape(-1)).reshape(num, n_eff, -1)  # [B, N, D]
     logits = torch.einsum("bd,bnd->bn", adapted, torch.from_numpy(keys)) / temperature  # [B, N]
     if greedy:
         chosen = logits.topk(k_eff, dim=1).indices  # [B, k]
@@ -200,7 +199,8 @@ def sample_retrievals(
     for r, lp in zip(retrievals, old):
         r.old_logprob = lp
     bank.record_latency(num, time.perf_counter() - started)
-    return [(bank.texts([r.entry_ids[c] for c in r.chosen]), r) for r in retrievals]
+    texts = bank.texts([r.entry_ids[c] for r in retrievals for c in r.chosen])  # k_eff per retrieval
+    return [(texts[b * k_eff:(b + 1) * k_eff], r) for b, r in enumerate(retrievals)]
 
 
 def sample_retrieval(

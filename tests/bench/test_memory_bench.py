@@ -91,6 +91,19 @@ def test_upkeep_keeps_a_full_bank_full_and_a_background_retrain_never_stops_the_
     assert "not shown: the rebuild had not finished after 3 steps" in bank_upkeep.verdicts([], [capped])[0]
 
 
+def test_the_upkeep_bank_is_built_in_a_child_and_loads_here_with_its_index():
+    draw = cluster_source(2500, seed=3)
+    keys = draw(2500)
+    bank = bank_upkeep.saved_bank(keys, seed=3, spec=IndexSpec(kind="ivf_flat", nlist=16, nprobe=4))
+    state = bank_upkeep.bank_state(keys, seed=3)
+    assert bank.ids() == list(range(2500)) and bank.keys(bank.ids()).tobytes() == keys.tobytes()
+    assert [bank.utility(i) for i in range(0, 2500, 97)] == state["utilities"][::97]
+    assert bank.index_kind == "ivf_flat" and bank._index.rows == 2500 and bank._index.trained_at == 2500
+    assert bank._index.ops["rebuilds"] == 0  # the child's index, loaded: nothing was built in this process
+    ids, scores = bank.search(keys[:5], 3)
+    assert ids[:, 0].tolist() == [0, 1, 2, 3, 4] and np.allclose(scores[:, 0], 1.0, atol=1e-5)
+
+
 def test_mission_texts_are_distinct_and_seeded():
     texts = mission_texts(500, seed=0)
     assert len(set(texts)) == 500

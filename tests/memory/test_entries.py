@@ -66,11 +66,13 @@ def test_stats_equal_a_float64_pass_over_the_entries_and_survive_removal_and_slo
     assert all(table.get(i) == e for i, e in model.items())
 
 
-def test_unknown_ids_say_which_and_credit_skips_them():
+def test_unknown_ids_say_which_and_credit_skips_them_and_counts_a_repeat_once():
     table = EntryTable()
     table.add(3, "skill", "t", "s", 0)
     table.credit([3, 99], 1.0)  # 99 was never added (or evicted since): skipped
     assert table.get(3)["uses"] == 1 and table.utility(99) == 0.0
+    table.credit([3, 99, 3], 0.0)  # listed twice in one call: one use
+    assert table.get(3)["uses"] == 2 and table.utility(3) == 0.5 and table.stats()["bank/utility_mean"] == 0.5
     with pytest.raises(KeyError, match="no entry with id 99"):
         table.get(99)
 

@@ -308,8 +308,10 @@ def test_every_kind_stays_exact_through_many_add_remove_update_cycles(kind, mode
             index.remove(np.array([i]))
             model[i] = clustered(rng, 1)[0]
             index.add(np.array([i]), model[i][None])
-        found, scores = index.search(q, 10)  # answered at every point, a build running or not
+        found, scores, found_keys = index.search_with_keys(q, 10)  # answered at every point, a build running or not
         assert found.shape == (len(q), 10) and all(int(i) in model for i in found.ravel())
+        # the keys read by row are the stored keys of the ids found, across compactions and swaps
+        assert found_keys.tobytes() == np.stack([model[i] for i in found.ravel().tolist()]).tobytes()
         index.lend(0.02)  # the trainer's loan, once per update (a lent build runs only then)
         if mode == "lent" and cycle % 3 == 2:
             # a lent build finishes here however loaded the machine is (its child may not have
@@ -324,6 +326,8 @@ def test_every_kind_stays_exact_through_many_add_remove_update_cycles(kind, mode
     assert len(index) == len(model) and set(index.ids().tolist()) == set(model)
     assert index.reconstruct(np.array(list(model))).tobytes() == np.stack(list(model.values())).tobytes()
     found, scores = index.search(q, 10)
+    again, again_scores, _ = index.search_with_keys(q, 10)
+    assert np.array_equal(again, found) and np.array_equal(again_scores, scores)
     truth, truth_scores = live_truth(index, model, q, 10)
     assert recall(found, truth) >= (1.0 if kind == "flat" else 0.9)
     exact = np.einsum("bd,bkd->bk", q.astype(np.float64), np.stack([[model[int(i)] for i in r] for r in found]))

@@ -162,8 +162,9 @@ def _build_and_save(keys_file: str, seed: int, spec: IndexSpec, folder: str) -> 
 
 def saved_bank(keys: np.ndarray, seed: int, spec: IndexSpec) -> MemoryBank:
     """A full bank over ``keys`` as a resumed run has it: built and saved by a child process,
-    loaded here with its index. A training run does not build a large index in its own
-    process (a build runs in a lent process, or the index came with the checkpoint). On the
+    loaded here with its index. With the default ``build_loan``, a training run does not build
+    a large index in its own process (a build runs in a lent process, or the index came with
+    the checkpoint; ``build_loan`` 0 builds in a thread of it). On the
     2-core EPYC, updates after ``auto``'s measurements at 1M in the same process took 54-69 ms,
     and 36-44 ms in a fresh process with the same index, five minutes later; on a shared
     machine that is a hint, not a measurement. A loaded index pays a cost of its own: about

@@ -26,8 +26,12 @@ train: install
 train-flat: install
 	$(BIN)/hieragent fit --config configs/babyai_flat.yaml
 
+# the suite on TEST_WORKERS pytest-xdist workers, one thread each (a test's tiny models gain nothing from a
+# second OpenMP thread, and two workers of two threads each fight over two cores); loadscope keeps each test
+# module on one worker, so that its module fixtures run once
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow

@@ -21,6 +21,15 @@ def make_workspace(path: Path) -> Path:
     return path
 
 
+def held(folder: Path):
+    """A lock on a folder that tests on several pytest-xdist workers share (``make test`` runs
+    two): the tests that rewrite the babyai ``--quick`` folder hold it, and so does the notebook
+    that reads it, so that it never reads a folder half rewritten."""
+    from filelock import FileLock
+
+    return FileLock(f"{folder}.lock")
+
+
 def run_cli_here(args, cwd, monkeypatch, capsys):
     """The CLI's ``main`` in this process, from ``cwd``: for runs that end at start (a refusal,
     a bad key), without a subprocess's start-up (about 10 s of imports on a slow machine)."""

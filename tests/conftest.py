@@ -34,36 +34,52 @@ def tiny_lm(tokenizer):
     return lm
 
 
-@pytest.fixture(scope="session")
-def repro_quick(tmp_path_factory):
-    """``python -m hieragent.repro.babyai --quick`` on one small level, run once per session:
-    the folder it wrote (the tests of the runner and the results notebook read it)."""
+def _once_per_run(tmp_path_factory, name: str, argv):
+    """Run ``python -m <argv(workspace)>`` once per test run, from a workspace named ``name``.
+
+    Under pytest-xdist every worker has its own session, so a session fixture alone would run a
+    reproduction once per worker that asks. The first worker to ask runs it, under a file lock,
+    in a folder that all workers share, and records how it ended; the others wait for the lock and
+    read the record. Returns the workspace and the finished process."""
+    import json
     import subprocess
     import sys
 
+    from filelock import FileLock
+
     from cli_helpers import make_workspace
 
-    work = make_workspace(tmp_path_factory.mktemp("repro"))
-    out = work / "repro_babyai_quick"
-    done = subprocess.run([sys.executable, "-m", "hieragent.repro.babyai", "--quick", "--out", str(out),
-                           "--levels", "BabyAI-GoToRedBallNoDists-v0"], cwd=work, capture_output=True,
-                          text=True, timeout=900)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's own
+    work, record = root / name, root / f"{name}.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not record.exists():
+            work.mkdir()
+            done = subprocess.run([sys.executable, "-m", *argv(work)], cwd=make_workspace(work),
+                                  capture_output=True, text=True, timeout=900)
+            record.write_text(json.dumps({"returncode": done.returncode, "stdout": done.stdout,
+                                          "stderr": done.stderr}))
+    ended = json.loads(record.read_text())
+    done = subprocess.CompletedProcess(argv(work), ended["returncode"], ended["stdout"], ended["stderr"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return work, out, done
+    return work, done
+
+
+@pytest.fixture(scope="session")
+def repro_quick(tmp_path_factory):
+    """``python -m hieragent.repro.babyai --quick`` on one small level, run once per test run:
+    the folder it wrote (the tests of the runner and the results notebook read it)."""
+    work, done = _once_per_run(tmp_path_factory, "repro", lambda work: [
+        "hieragent.repro.babyai", "--quick", "--out", str(work / "repro_babyai_quick"),
+        "--levels", "BabyAI-GoToRedBallNoDists-v0"])
+    return work, work / "repro_babyai_quick", done
 
 
 @pytest.fixture(scope="session")
 def offpolicy_quick(tmp_path_factory):
-    """``python -m hieragent.repro.offpolicy --quick``, run once per session: the folder it
+    """``python -m hieragent.repro.offpolicy --quick``, run once per test run: the folder it
     wrote (its tests and the results notebook read it)."""
-    import subprocess
-    import sys
-
-    from cli_helpers import make_workspace
-
-    work = make_workspace(tmp_path_factory.mktemp("offpolicy"))
-    out = work / "repro_offpolicy_quick"
-    done = subprocess.run([sys.executable, "-m", "hieragent.repro.offpolicy", "--quick", "--out", str(out)],
-                          cwd=work, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return work, out, done
+    work, done = _once_per_run(tmp_path_factory, "offpolicy", lambda work: [
+        "hieragent.repro.offpolicy", "--quick", "--out", str(work / "repro_offpolicy_quick")])
+    return work, work / "repro_offpolicy_quick", done

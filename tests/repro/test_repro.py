@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 import numpy as np
 import pytest
 
+from cli_helpers import held
 from hieragent.repro import recipe
 from hieragent.repro.runner import Job, Plan, mean_std, run_plan
 
@@ -91,10 +92,11 @@ def test_mean_std_is_the_sample_statistics():
 def test_a_rerun_skips_finished_jobs_and_resumes_an_unfinished_fit(repro_quick):
     work, out, _ = repro_quick
     job = out / "GoToRedBallNoDists" / "rl_flat" / "seed0"
-    before = read_json(out / "results.json")
-    (job / "run" / "version_0" / "eval_summary.json").unlink()  # as if killed before the end
-    logs = {p: p.read_text() for p in out.glob("**/job.log")}
-    again = rerun(work, out)
+    with held(out):
+        before = read_json(out / "results.json")
+        (job / "run" / "version_0" / "eval_summary.json").unlink()  # as if killed before the end
+        logs = {p: p.read_text() for p in out.glob("**/job.log")}
+        again = rerun(work, out)
     assert again.returncode == 0, again.stderr[-3000:]
     changed = [p for p in logs if p.read_text() != logs[p]]
     assert changed == [job / "job.log"]  # the five finished jobs did not run again
@@ -111,11 +113,12 @@ def test_a_job_run_with_another_command_is_refused_by_name(repro_quick, tmp_path
     original = saved.read_text()
     record = json.loads(original)
     record["argv"] = [*record["argv"], "--trainer.max_steps", "99"]
-    saved.write_text(json.dumps(record))
-    try:
-        refused = rerun(work, out)
-    finally:
-        saved.write_text(original)
+    with held(out):
+        saved.write_text(json.dumps(record))
+        try:
+            refused = rerun(work, out)
+        finally:
+            saved.write_text(original)
     assert refused.returncode != 0
     assert "job 'GoToRedBallNoDists/sft_hier'" in refused.stderr and "another command" in refused.stderr
 

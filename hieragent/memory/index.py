@@ -31,8 +31,8 @@ from typing import Iterator
 import faiss
 import numpy as np
 
-from hieragent.memory.rebuild import (CHUNK, Built, Job, copy_live, index_over, key_rows, lower_priority, map_rows,
-                                      new_rows)
+from hieragent.memory.rebuild import (CHUNK, Built, Job, copy_live, give_room, index_over, key_rows, lower_priority,
+                                      map_rows, new_rows)
 from hieragent.memory.structures import (STRUCTURE, IndexSpec, blas_search, fastscan_m, reranked, search_params,
                                          search_rows, trains, wanted_kind)
 
@@ -514,6 +514,7 @@ class KeyIndex:
             live = rows >= 0
             loaded = faiss.deserialize_index(np.ascontiguousarray(blob, dtype=np.uint8))
             if loaded.ntotal == len(rows) and loaded.d == dim and np.array_equal(rows[live], ids):
+                give_room(loaded)
                 index._reserve(len(rows) + len(rows) // 2)
                 index._buf[: len(rows)][live] = keys
                 index._rid[: len(rows)], index._live[: len(rows)] = rows, live

@@ -170,7 +170,7 @@ def saved_bank(keys: np.ndarray, seed: int, spec: IndexSpec) -> MemoryBank:
     machine that is a hint, not a measurement. FAISS deserialises each IVF list with no spare
     room, so the first add into a list copied it: 460-1,030 page faults per update and 2-3 ms
     more in the evolution, until ``restore`` gave the lists room (``rebuild.give_room``; 12
-    page faults per update after it, the same process and bank)."""
+    page faults per update after it, the same process and bank, a probe outside the repo)."""
     with tempfile.TemporaryDirectory() as tmp:
         keys_file, folder = os.path.join(tmp, "keys.npy"), os.path.join(tmp, "bank")
         np.save(keys_file, keys)

@@ -95,11 +95,11 @@ def give_room(index: faiss.Index) -> None:
     """Give each inverted list of a deserialised IVF index room to grow, as the lists of an index
     filled in slices (``add_in_slices``) have. FAISS reads each list into a vector of exactly its
     size, so the first key added to a list copies all of it: at 1M keys in 4096 lists, a loaded
-    ``ivf_flat`` bank paid about 1,700 page faults and 5 ms per update until most lists had grown
-    once (the 2-core EPYC). Growing a list by one entry and back doubles the vector's capacity
-    (std::vector's growth) while writing only the entries it holds; the spare half stays
-    untouched memory. One copy of the lists, at load. Lists of other layouts (fast-scan's
-    blocks) are left as they are."""
+    ``ivf_flat`` bank paid 460-1,030 page faults and 2-3 ms of evolution per update more than the
+    same bank given room, in one process (a probe on the 2-core EPYC, outside the repo). Growing
+    a list by one entry and back doubles the vector's capacity (std::vector's growth) while
+    writing only the entries it holds; the spare half stays untouched memory. One copy of the
+    lists, at load. Lists of other layouts (fast-scan's blocks) are left as they are."""
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is None:
         return

@@ -167,10 +167,8 @@ def saved_bank(keys: np.ndarray, seed: int, spec: IndexSpec) -> MemoryBank:
     the checkpoint; ``build_loan`` 0 builds in a thread of it). On the
     2-core EPYC, updates after ``auto``'s measurements at 1M in the same process took 54-69 ms,
     and 36-44 ms in a fresh process with the same index, five minutes later; on a shared
-    machine that is a hint, not a measurement. FAISS deserialises each IVF list with no spare
-    room, so the first add into a list copied it: 460-1,030 page faults per update and 2-3 ms
-    more in the evolution, until ``restore`` gave the lists room (``rebuild.give_room``; 12
-    page faults per update after it, the same process and bank, a probe outside the repo)."""
+    machine that is a hint, not a measurement. A loaded IVF index's lists are given room to grow
+    at load (``rebuild.give_room``, which says what their lack of it cost)."""
     with tempfile.TemporaryDirectory() as tmp:
         keys_file, folder = os.path.join(tmp, "keys.npy"), os.path.join(tmp, "bank")
         np.save(keys_file, keys)

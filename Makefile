@@ -7,7 +7,7 @@ CONFIG ?= configs/babyai_hier.yaml
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hieragent-installed
 
-.PHONY: install train train-flat test test-slow bench-objective bench-memory bench-rollout bench-attention device-check textworld-games demos warmstart expert-table ablation-memory repro-babyai repro-games repro-offpolicy clean
+.PHONY: install train train-flat test test-slow bench-objective bench-memory bench-openmp bench-rollout bench-attention device-check textworld-games demos warmstart expert-table ablation-memory repro-babyai repro-games repro-offpolicy clean
 
 install: $(STAMP)
 
@@ -28,10 +28,11 @@ train-flat: install
 
 # the suite on TEST_WORKERS pytest-xdist workers, one thread each (a test's tiny models gain nothing from a
 # second OpenMP thread, and two workers of two threads each fight over two cores); loadscope keeps each test
-# module on one worker, so that its module fixtures run once
+# module on one worker, so that its module fixtures run once; --no-loadscope-reorder keeps the modules in
+# the order tests/conftest.py gives them (the reproductions first, the notebooks that read them last)
 TEST_WORKERS ?= 2
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
@@ -45,6 +46,11 @@ bench-objective: install
 # BENCH_ARGS='--isa avx2' measures as a machine without AMX and AVX-512 (hieragent/isa.py)
 bench-memory: install
 	$(BIN)/python -m hieragent.bench.memory $(BENCH_ARGS)
+
+# the bank's update at 1M entries in fresh processes that import FAISS before torch (two OpenMP
+# runtimes) or after it (one), alternating (see hieragent/bench/openmp.py)
+bench-openmp: install
+	$(BIN)/python -m hieragent.bench.openmp $(BENCH_ARGS)
 
 # the HF engine on GoToLocal, 8 and 32 envs, score/generate, with and without history, against
 # naive acting and the machine's matmul peak measured in the same run (see hieragent/bench/rollout.py)

@@ -66,8 +66,9 @@ def visible_flags(flags: set[str]) -> set[str]:
 
 def kernels() -> dict[str, object]:
     """What each library computes with in this process: ``python -m hieragent.isa``."""
+    import torch  # before faiss, as training has them (memory/openmp.py)
+
     import faiss
-    import torch
 
     from hieragent.precision import resolve_precision
 

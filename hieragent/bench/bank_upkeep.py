@@ -164,13 +164,20 @@ def saved_bank(keys: np.ndarray, seed: int, spec: IndexSpec) -> MemoryBank:
     """A full bank over ``keys`` as a resumed run has it: built and saved by a child process,
     loaded here with its index. With the default ``build_loan``, a training run does not build
     a large index in its own process (a build runs in a lent process, or the index came with
-    the checkpoint; ``build_loan`` 0 builds in a thread of it). On the
-    2-core EPYC, updates after ``auto``'s measurements at 1M in the same process took 54-69 ms,
-    and 36-44 ms in a fresh process with the same index, five minutes later; on a shared
-    machine that is a hint, not a measurement. A loaded IVF index's lists are given room to grow
-    at load (``rebuild.give_room``, which says what their lack of it cost)."""
+    the checkpoint; ``build_loan`` 0 builds in a thread of it). A loaded IVF index's lists are
+    given room to grow at load (``rebuild.give_room``, which says what their lack of it cost).
+    Runs of this bench before 2026-12-07 imported FAISS before torch, so their updates ran on
+    two OpenMP runtimes, slower than training's one (``memory/openmp.py``)."""
     with tempfile.TemporaryDirectory() as tmp:
-        keys_file, folder = os.path.join(tmp, "keys.npy"), os.path.join(tmp, "bank")
+        folder = os.path.join(tmp, "bank")
+        build_saved(keys, seed, spec, folder)
+        return MemoryBank.load(folder)
+
+
+def build_saved(keys: np.ndarray, seed: int, spec: IndexSpec, folder: str) -> None:
+    """A full bank over ``keys`` with its index, built by a child process and saved into ``folder``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        keys_file = os.path.join(tmp, "keys.npy")
         np.save(keys_file, keys)
         child = multiprocessing.get_context("spawn").Process(target=_build_and_save,
                                                             args=(keys_file, seed, spec, folder))
@@ -179,7 +186,6 @@ def saved_bank(keys: np.ndarray, seed: int, spec: IndexSpec) -> MemoryBank:
         if child.exitcode != 0:
             raise RuntimeError(f"bench-memory: the process building the {len(keys):,}-entry bank failed "
                                f"(exit code {child.exitcode}; its error is above)")
-        return MemoryBank.load(folder)
 
 
 def upkeep(keys: np.ndarray, draw: Callable[[int], np.ndarray], seed: int, spec: IndexSpec | None = None,

@@ -60,9 +60,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import torch  # before faiss, so FAISS runs on torch's OpenMP threads as in training (memory/openmp.py)
+
 import faiss
 import numpy as np
-import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -435,12 +436,14 @@ def goal(rows: list[Row]) -> list[str]:
 def machine_line() -> str:
     """The CPU, and its fp32 and bf16 matmul peaks measured now (the figures below depend on them)."""
     from hieragent.memory.autotune import cpu_name
+    from hieragent.memory.openmp import one_runtime
 
     fp32 = matmul_peak(torch.float32)
     bf16 = matmul_peak(torch.bfloat16, size=512, seconds=0.5)
     return (f"machine: {cpu_name()}{cap_label(isa_cap(), detail=True)}, {os.cpu_count()} cpus; "
             f"matmul peak fp32 {fp32:.0f} GFLOP/s, "
-            f"bf16 {bf16:.1f} GFLOP/s (bf16/fp32 {bf16 / fp32:.2f}), measured in this run")
+            f"bf16 {bf16:.1f} GFLOP/s (bf16/fp32 {bf16 / fp32:.2f}), measured in this run; "
+            f"OpenMP: {'one runtime for torch and FAISS' if one_runtime() else 'two runtimes (FAISS first)'}")
 
 
 def main(argv: list[str] | None = None) -> list[Row]:

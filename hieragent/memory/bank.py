@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from hieragent.io import iter_jsonl
+from hieragent.memory import openmp
 from hieragent.memory.encoder import MINILM, embed, embedding_dim, load_encoder
 from hieragent.memory.entries import KINDS, EntryTable
 from hieragent.memory.index import KeyIndex
@@ -69,6 +70,7 @@ class MemoryBank:
         self._dim: int | None = None
         self._next_id = 0
         self._encoder: Any = None
+        openmp.check()  # warns once where FAISS came in before torch (two thread pools)
 
     # ---- encoder -------------------------------------------------------------------------
     def _get_encoder(self) -> Any:

@@ -244,7 +244,12 @@ class ScienceWorldEnv(TextEnv):
         self._gateway = JavaGateway(java_process=proc, gateway_parameters=GatewayParameters(
             port=port, auto_field=True, read_timeout=self.call_timeout))
         self._finalizer = weakref.finalize(self, _stop, self._gateway, proc)
-        self._sim = self._gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
+        from py4j.protocol import Py4JError
+
+        try:  # the simulator's first call, bounded by call_timeout like the others
+            self._sim = self._gateway.jvm.scienceworld.runtime.pythonapi.PythonInterface()
+        except Py4JError as exc:
+            raise self._lost("start-up", exc) from None
 
     def _call(self, method: str, *args: Any) -> Any:
         """``method`` of the simulator; a dead or hung simulator raises ``RuntimeError`` (and is
@@ -256,10 +261,14 @@ class ScienceWorldEnv(TextEnv):
         except Py4JJavaError:  # an exception in the simulator, which lives on
             raise
         except Py4JError as exc:  # no answer: the connection broke or timed out
-            pid = self.java_pid
-            self.close()
-            raise RuntimeError(f"{self.name}: the ScienceWorld simulator (java pid {pid}) died or hung "
-                               f"during {method}: {str(exc).splitlines()[0]}") from None
+            raise self._lost(method, exc) from None
+
+    def _lost(self, during: str, exc: Exception) -> RuntimeError:
+        """Kill the simulator that did not answer; the error to raise, naming it."""
+        pid = self.java_pid
+        self.close()
+        return RuntimeError(f"{self.name}: the ScienceWorld simulator (java pid {pid}) died or hung "
+                            f"during {during}: {str(exc).splitlines()[0]}")
 
     def close(self) -> None:
         """Stop the simulator (a later ``reset`` starts a new one); idempotent."""

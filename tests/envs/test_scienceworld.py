@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -274,6 +275,18 @@ def test_a_hung_simulator_raises_after_call_timeout_and_is_killed() -> None:
         assert env.java_pid is None and not Path(f"/proc/{hung}").exists()  # killed and reaped
         with pytest.raises(RuntimeError, match="call reset"):
             env.step("look around")
+    finally:
+        env.close()
+
+
+def test_a_start_up_slower_than_call_timeout_raises_and_leaves_no_simulator() -> None:
+    # the simulator's first call loads its classes and tasks: far longer than a millisecond
+    env = ScienceWorldEnv(PLANT, call_timeout=0.001)
+    try:
+        with pytest.raises(RuntimeError, match=r"simulator \(java pid (\d+)\) died or hung during start-up") as err:
+            env.reset(HELDOUT)
+        pid = int(re.search(r"java pid (\d+)", str(err.value)).group(1))
+        assert env.java_pid is None and not Path(f"/proc/{pid}").exists()  # killed and reaped
     finally:
         env.close()
 

@@ -38,4 +38,3 @@ def test_faiss_shares_torch_runtime_only_when_torch_came_first(first, one):
     assert done.stdout.split() == [str(one)]
     warnings = done.stderr.count("FAISS was imported before torch")
     assert warnings == (0 if one else 1), done.stderr  # once per process, however many banks
-

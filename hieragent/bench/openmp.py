@@ -38,11 +38,7 @@ def child(order: str, folder: str, size: int, updates: int, seed: int) -> dict:
     from hieragent.memory.bank import MemoryBank
     from hieragent.memory.openmp import one_runtime
 
-    bank = MemoryBank.load(folder)
-    update, timings = bank_upkeep.Updater(bank, cluster_source(size, seed), seed + 1), bank_upkeep.Update()
-    update(bank_upkeep.Update())  # warm-up
-    for _ in range(updates):
-        update(timings)
+    timings = bank_upkeep.timed_updates(MemoryBank.load(folder), cluster_source(size, seed), seed + 1, updates)
     return {"order": order, "one_runtime": one_runtime(), "total_ms": statistics.median(timings.totals()),
             "max_ms": max(timings.totals()), **{p: statistics.median(getattr(timings, p)) for p in PARTS}}
 

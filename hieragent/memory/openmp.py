@@ -19,10 +19,10 @@ imported FAISS first (a notebook that ran ``import faiss`` before torch, say).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 log = logging.getLogger(__name__)
-_warned = False
 
 
 def one_runtime() -> bool:
@@ -39,17 +39,17 @@ def one_runtime() -> bool:
         torch.set_num_threads(n)
 
 
+@functools.cache
 def check() -> bool:
-    """``one_runtime()``, with a warning the first time it is false in this process. Only where
-    torch's threads are OpenMP's (its Linux builds): elsewhere nothing is shared to check."""
-    global _warned
+    """``one_runtime()``, asked once per process (the binding is fixed once both libraries are
+    loaded, and the bank imports both), with a warning where it is false. Only where torch's
+    threads are OpenMP's (its Linux builds): elsewhere nothing is shared to check."""
     import torch
 
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return True
     one = one_runtime()
-    if not one and not _warned:
-        _warned = True
+    if not one:
         log.warning("FAISS was imported before torch, so the two run separate OpenMP thread pools that slow "
                     "each other's work (the bank's update at 1M keys: 59 ms against 39 ms on a 2-core EPYC, "
                     "make bench-openmp); import torch before faiss (hieragent's CLI and benches do)")

@@ -15,7 +15,8 @@ the index is rebuilt over the live rows only, so a removal costs O(1) amortised
 least ``background_from`` rows runs in a background thread on a snapshot of the rows, which
 are never written in place. The old index keeps answering every search meanwhile, and adds
 and removals go on; when the new index is ready the next call swaps it in and replays what
-changed since the snapshot (O(changes)). ``wait()`` blocks until a running rebuild is in.
+changed since the snapshot (O(changes)); the old index and rows are freed in another thread
+(``freeing.release``). ``wait()`` blocks until a running rebuild is in.
 The build itself, over a snapshot, is ``rebuild.py``.
 """
 
@@ -31,6 +32,7 @@ from typing import Iterator
 import faiss
 import numpy as np
 
+from hieragent.memory.freeing import release
 from hieragent.memory.rebuild import (CHUNK, Built, Job, copy_live, give_room, index_over, key_rows, lower_priority,
                                       map_rows, new_rows)
 from hieragent.memory.structures import (STRUCTURE, IndexSpec, blas_search, fastscan_m, reranked, search_params,
@@ -417,13 +419,15 @@ class KeyIndex:
                      "%s)", b.kind, *self.last_build, "process" if job.lent is not None else "thread")
         if self.spec.kind == "auto" and b.kind != "flat":
             self.auto_kind, self.tuned, self.auto_note = b.kind, b.tuned, b.note or self.auto_note
+        old = [self._buf, self._rid, self._live, self._row, self._bits, self._faiss]  # the template may go on
         self._buf, self._rid, self._live, self._n, self._dead, self._row = b.buf, b.rid, live, total, dead, b.row
-        self._bits = np.packbits(live, bitorder="little")
-        self._bits = np.concatenate([self._bits, np.zeros(len(live) // 8 + 1 - len(self._bits), dtype=np.uint8)])
+        bits = np.packbits(live, bitorder="little")
+        self._bits = np.concatenate([bits, np.zeros(len(live) // 8 + 1 - len(bits), dtype=np.uint8)])
         self._faiss, self.active, self._template, self.trained_at = b.index, b.kind, b.template, b.trained_at
+        release(old)
         self.ops["rows_rebuilt"] += total
         self.ops["rebuilds"] += 1
-        self.last_swap_s = time.perf_counter() - swap_started  # the old index's release included
+        self.last_swap_s = time.perf_counter() - swap_started  # the old index is freed off this thread
 
     def _copy_tail(self, b: Built, snap_n: int, start: int, end: int, blas: bool = False) -> None:
         """Copy rows ``[start, end)`` of this index (added after the snapshot at ``snap_n``) into

@@ -7,7 +7,7 @@ CONFIG ?= configs/babyai_hier.yaml
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hieragent-installed
 
-.PHONY: install train train-flat test test-slow bench-objective bench-memory bench-openmp bench-rollout bench-attention device-check textworld-games demos warmstart expert-table ablation-memory repro-babyai repro-games repro-offpolicy clean
+.PHONY: install train train-flat test test-slow bench-objective bench-memory bench-openmp bench-freeing bench-rollout bench-attention device-check textworld-games demos warmstart expert-table ablation-memory repro-babyai repro-games repro-offpolicy clean
 
 install: $(STAMP)
 
@@ -51,6 +51,11 @@ bench-memory: install
 # runtimes) or after it (one), alternating (see hieragent/bench/openmp.py)
 bench-openmp: install
 	$(BIN)/python -m hieragent.bench.openmp $(BENCH_ARGS)
+
+# training steps around the release of a replaced 1M index: freed in the step, by the release
+# thread, or kept, alternating (see hieragent/bench/freeing.py)
+bench-freeing: install
+	$(BIN)/python -m hieragent.bench.freeing $(BENCH_ARGS)
 
 # the HF engine on GoToLocal, 8 and 32 envs, score/generate, with and without history, against
 # naive acting and the machine's matmul peak measured in the same run (see hieragent/bench/rollout.py)

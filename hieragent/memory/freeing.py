@@ -1,7 +1,11 @@
 """Freeing what a swap replaced (``index.KeyIndex._poll``) in a thread of its own, a slice at a time.
 
 At 1M keys the old index's lists and rows are gigabytes of pages, and handing them back to the
-kernel took about 430 ms inside the step that swapped (``release`` says where it goes instead).
+kernel takes hundreds of milliseconds. The index frees them here where builds run in a thread
+too (``build_loan`` 0, for a step that leaves the CPU idle, as a GPU step does). Beside a CPU
+step on every core, freeing here measured no better than freeing in the step (``make
+bench-freeing``: the thread's slices preempt the step's threads, which meet after every op), so
+there the swap frees them itself.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ def release(things: list) -> None:
     Handing the kernel back a million keys' pages is most of a swap: about 160 ms for the rows
     and 270 ms for an ``ivf_flat`` index's lists at 1M keys and D=384 on the 2-core EPYC, in the
     step that swapped. Freed whole in another thread, the same work lands in the next step
-    instead: that step's threads meet after every op, and the core the freeing holds holds them
-    up. So the thread frees in slices, an IVF index's lists ``LISTS_PER_SLICE`` at a time (in
+    of a CPU step on every core: its threads meet after every op, and the core the freeing holds
+    holds them up. So the thread frees in slices, an IVF index's lists ``LISTS_PER_SLICE`` at a time (in
     FAISS, which releases the GIL; its destructors, called through SWIG, hold it) and rows in a
     mapping of their own ``PAGES_PER_SLICE`` bytes at a time, and sleeps between slices so that
     it takes at most ``RELEASE_SHARE`` of one core."""

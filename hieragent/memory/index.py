@@ -15,8 +15,9 @@ the index is rebuilt over the live rows only, so a removal costs O(1) amortised
 least ``background_from`` rows runs in a background thread on a snapshot of the rows, which
 are never written in place. The old index keeps answering every search meanwhile, and adds
 and removals go on; when the new index is ready the next call swaps it in and replays what
-changed since the snapshot (O(changes)); the old index and rows are freed in another thread
-(``freeing.release``). ``wait()`` blocks until a running rebuild is in.
+changed since the snapshot (O(changes)); where builds run in a thread (``build_loan`` 0) the
+old index and rows are freed in another one too (``freeing.py``). ``wait()`` blocks until a
+running rebuild is in.
 The build itself, over a snapshot, is ``rebuild.py``.
 """
 
@@ -121,6 +122,11 @@ class KeyIndex:
 
     def ids(self) -> np.ndarray:
         return self._rid[: self._n][self._live[: self._n]]
+
+    def held(self) -> list:
+        """What a swap replaces and hands to ``freeing.release``: the FAISS index, the rows, the id
+        map, the live mask (the trained template may go on into the next index)."""
+        return [self._faiss, self._buf, self._rid, self._live, self._row, self._bits]
 
     def reconstruct(self, ids: np.ndarray) -> np.ndarray:
         """Exact stored keys ``[len(ids), D]``; unknown ids raise KeyError."""
@@ -419,15 +425,19 @@ class KeyIndex:
                      "%s)", b.kind, *self.last_build, "process" if job.lent is not None else "thread")
         if self.spec.kind == "auto" and b.kind != "flat":
             self.auto_kind, self.tuned, self.auto_note = b.kind, b.tuned, b.note or self.auto_note
-        old = [self._buf, self._rid, self._live, self._row, self._bits, self._faiss]  # the template may go on
+        old = self.held()
         self._buf, self._rid, self._live, self._n, self._dead, self._row = b.buf, b.rid, live, total, dead, b.row
         bits = np.packbits(live, bitorder="little")
         self._bits = np.concatenate([bits, np.zeros(len(live) // 8 + 1 - len(bits), dtype=np.uint8)])
         self._faiss, self.active, self._template, self.trained_at = b.index, b.kind, b.template, b.trained_at
-        release(old)
+        if self.spec.build_loan > 0:
+            # a CPU step: freeing beside it in a thread measured no better than here (``make bench-freeing``)
+            old.clear()
+        else:
+            release(old)  # a build thread's setting (a GPU step, an idle CPU): off this thread
         self.ops["rows_rebuilt"] += total
         self.ops["rebuilds"] += 1
-        self.last_swap_s = time.perf_counter() - swap_started  # the old index is freed off this thread
+        self.last_swap_s = time.perf_counter() - swap_started
 
     def _copy_tail(self, b: Built, snap_n: int, start: int, end: int, blas: bool = False) -> None:
         """Copy rows ``[start, end)`` of this index (added after the snapshot at ``snap_n``) into

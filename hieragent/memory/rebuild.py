@@ -5,8 +5,8 @@ into new ones, builds the index that ``kind`` names over them (``index_over``; `
 measures which, ``autotune.py``), and maps each id to its new row. The same steps run inline,
 in a background thread (``index.py``) or in a process on loans (``lent.py``). The copies and
 the map yield after each slice of ``CHUNK`` rows, where a lent build pauses between loans.
-A rebuild hands back a ``Built``; its owner keeps a ``Job`` while one is in flight. What a
-swap replaces is freed by ``freeing.release``, not in the step that swapped.
+A rebuild hands back a ``Built``; its owner keeps a ``Job`` while one is in flight. Where builds
+run in a thread, what a swap replaces is freed in one too (``freeing.py``).
 """
 
 from __future__ import annotations

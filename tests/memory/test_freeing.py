@@ -54,6 +54,22 @@ def test_a_swap_frees_the_old_index_and_rows_in_the_release_thread_and_every_sea
     assert recall(index.search(q, 10)[0], truth) == 1.0  # nprobe = nlist: exact
 
 
+def test_beside_a_cpu_step_the_swap_frees_the_old_index_itself():
+    """With builds on loans (``build_loan`` > 0: a CPU step on every core), a release thread
+    measured no better than freeing in the step, so the swap frees what it replaced there."""
+    rng = np.random.default_rng(5)
+    keys, ids = clustered(rng, 950), rng.permutation(10_000)[:950].astype(np.int64)
+    spec = IndexSpec(kind="ivf_flat", nlist=16, train_per_list=39, retrain_growth=1.3, background_from=10**9)
+    assert spec.build_loan > 0
+    index = KeyIndex(D, spec)
+    index.add(ids[:700], keys[:700])  # trained inline
+    where: list[str] = []
+    freed_in(index._faiss, where)
+    freed_in(index._buf, where)
+    index.add(ids[700:950], keys[700:950])  # the retrain, inline: the swap is done when add returns
+    assert index.trained_at == 950 and where == ["MainThread", "MainThread"]
+
+
 def test_an_index_held_elsewhere_keeps_its_lists_and_answers_after_its_release():
     keys = clustered(np.random.default_rng(2), 400)
     index = ivf_over(keys)

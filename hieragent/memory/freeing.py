@@ -39,14 +39,11 @@ def release(things: list) -> None:
     """Free ``things`` (a replaced index, its rows and id map) in a background thread, not the
     caller's, and empty the list: the caller keeps no other reference to them.
 
-    Handing the kernel back a million keys' pages is most of a swap: about 160 ms for the rows
-    and 270 ms for an ``ivf_flat`` index's lists at 1M keys and D=384 on the 2-core EPYC, in the
-    step that swapped. Freed whole in another thread, the same work lands in the next step
-    of a CPU step on every core: its threads meet after every op, and the core the freeing holds
-    holds them up. So the thread frees in slices, an IVF index's lists ``LISTS_PER_SLICE`` at a time (in
-    FAISS, which releases the GIL; its destructors, called through SWIG, hold it) and rows in a
-    mapping of their own ``PAGES_PER_SLICE`` bytes at a time, and sleeps between slices so that
-    it takes at most ``RELEASE_SHARE`` of one core."""
+    At 1M keys and D=384 the rows and an ``ivf_flat`` index's lists are about 3 GB of pages. The
+    thread frees an IVF index's lists ``LISTS_PER_SLICE`` at a time inside FAISS, which releases
+    the GIL (its destructors, called through SWIG, hold it), and rows in a mapping of their own
+    ``PAGES_PER_SLICE`` bytes at a time, sleeping between slices so that it takes at most
+    ``RELEASE_SHARE`` of one core; the rest goes whole."""
     global _releaser
     with _handover:  # the thread frees nothing before the caller's list is empty
         if _releaser is None or not _releaser.is_alive():

@@ -1,14 +1,15 @@
-"""Training steps around the release of a replaced index: freed in the step, or by the release
-thread (``make bench-freeing``; ``memory/freeing.py``).
+"""Training steps around the release of a replaced index: freed in the step, by the release
+thread, or kept (``make bench-freeing``; ``memory/freeing.py``).
 
 A full bank of ``--size`` clustered keys (IVF-Flat with ``auto_nlist`` lists and nprobe 2, what
 ``auto`` chose at 1M on the 2-core EPYC) is built and saved once by a child process, then loaded
 here. Each round restores a second copy of its index from the saved state (``KeyIndex.restore``,
 as a resumed run has it) and hands what a swap would replace (``KeyIndex.held``) over inside one
 training step: a fixed CPU step on every core (``bank_upkeep.workload``) and one bank update. The
-two ways alternate over ``--rounds`` rounds (ABBA), so that a shared machine's drift falls on
-both: **in the step** drops the references there, as swaps did before; **release thread** hands
-them to ``freeing.release``; **none** keeps them until the round is over, the baseline: the
+three ways alternate over ``--rounds`` rounds (forwards, then backwards), so that a shared
+machine's drift falls on each: **in the step** drops the references there, as a swap does where
+builds run on loans; **release thread** hands them to ``freeing.release``, as a swap does where
+builds run in a thread; **none** keeps them until the round is over, the baseline: the
 bank's own updates have slow ones too (its eviction pool's refill, a collection). Steps go on
 until everything is freed, and at least ``AFTER`` of them. Printed per round: the median step
 before the hand-over, the hand-over step, the longest step from it on and its ratio to that
@@ -30,7 +31,7 @@ import time
 from hieragent.bench import bank_upkeep
 from hieragent.bench.memory import cluster_source, machine_line
 from hieragent.memory import freeing
-from hieragent.memory.bank import MemoryBank
+from hieragent.memory.bank import MemoryBank, saved_index_state
 from hieragent.memory.index import KeyIndex
 from hieragent.memory.structures import IndexSpec, auto_nlist
 
@@ -41,8 +42,8 @@ AFTER = 12  # steps after it, at least
 
 def restored(bank: MemoryBank, state: dict) -> list:
     """A second copy of ``bank``'s index from its ``state_dict``: what a swap would replace."""
-    saved = {k: v.numpy() if k in ("faiss", "rows") and v is not None else v for k, v in state["index_state"].items()}
-    index = KeyIndex.restore(int(state["dim"]), bank.index_spec, state["ids"].numpy(), state["keys"].numpy(), saved)
+    index = KeyIndex.restore(int(state["dim"]), bank.index_spec, state["ids"].numpy(), state["keys"].numpy(),
+                             saved_index_state(state))
     return index.held()
 
 

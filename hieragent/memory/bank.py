@@ -36,6 +36,18 @@ READABLE_VERSIONS = (1, 2, 3)
 CHANGE_LOG_LIMIT = 10_000  # changes kept until the trainer drains them into bank_changes.jsonl
 
 
+def saved_index_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The key index's part of a bank's ``state`` as ``KeyIndex.restore`` takes it (numpy arrays;
+    no FAISS bytes from before format 3, whose index labelled ids, not rows: rebuilt from the keys)."""
+    index_state = dict(state.get("index_state") or {})
+    if state.get("format_version", 0) < 3:
+        index_state.update(faiss=None, rows=None)
+    for name in ("faiss", "rows"):
+        if index_state.get(name) is not None:
+            index_state[name] = torch.as_tensor(index_state[name]).numpy()
+    return index_state
+
+
 class MemoryBank:
     """Entries keyed by frozen embeddings, searched through the FAISS index of ``index``.
 
@@ -397,13 +409,7 @@ class MemoryBank:
             raise ValueError(f"memory bank state is inconsistent: {len(ids)} ids, keys {keys.shape}, dim {dim}")
         if len(set(ids.tolist())) != len(ids) or (len(ids) and int(ids.max()) >= int(state["next_id"])):
             raise ValueError("memory bank state has duplicate ids or ids beyond next_id")
-        index_state = dict(state.get("index_state") or {})
-        if version < 3:  # its FAISS index labelled ids, not rows: rebuilt from the exact keys
-            index_state.update(faiss=None, rows=None)
-        for name in ("faiss", "rows"):
-            if index_state.get(name) is not None:
-                index_state[name] = torch.as_tensor(index_state[name]).numpy()
-        index = KeyIndex.restore(dim, self.index_spec, ids, keys, index_state)
+        index = KeyIndex.restore(dim, self.index_spec, ids, keys, saved_index_state(state))
         index.hold_swaps = self._hold_swaps
         bad_kinds = sorted(set(state["kinds"]) - set(KINDS))
         if bad_kinds:

@@ -54,4 +54,3 @@ def check() -> bool:
                     "each other's work (the bank's update at 1M keys: 59 ms against 39 ms on a 2-core EPYC, "
                     "make bench-openmp); import torch before faiss (hieragent's CLI and benches do)")
     return one
-

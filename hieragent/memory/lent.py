@@ -99,12 +99,18 @@ class LentBuild:
         try:
             return next(self._steps)
         except StopIteration:
-            self.done = True
+            self._end()
             return None
         except BaseException:
-            self.done = True
+            self._end()
             self.close()
             raise
+
+    def _end(self) -> None:
+        """Done: ``after`` goes, since its closure holds the caller's job, which holds this build.
+        Kept, that cycle left the built index to the cyclic collector, so that the swap after the
+        next build could not free it (``freeing``), and a collection at some later step did."""
+        self.done, self.after = True, None
 
     def _lend(self, seconds: float | None) -> None:
         """Let the child run for ``seconds`` (None: until it exits), then stop it."""

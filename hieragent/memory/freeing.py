@@ -1,11 +1,13 @@
-"""Freeing what a swap replaced (``index.KeyIndex._poll``) in a thread of its own, a slice at a time.
+"""Freeing what a swap replaced (``index.KeyIndex._poll``) a slice at a time, off the step.
 
 At 1M keys the old index's lists and rows are gigabytes of pages, and handing them back to the
-kernel takes hundreds of milliseconds. The index frees them here where builds run in a thread
-too (``build_loan`` 0, for a step that leaves the CPU idle, as a GPU step does). Beside a CPU
-step on every core, freeing here measured no better than freeing in the step (``make
-bench-freeing``: the thread's slices preempt the step's threads, which meet after every op), so
-there the swap frees them itself.
+kernel takes hundreds of milliseconds, too long for the one update that swaps. Two ways spread
+it: where builds run on loans of the caller's updates (``build_loan`` > 0, a CPU step), so does
+the freeing (``OnLoans``), a slice at a time in the updates after the swap; where builds run in
+a thread (``build_loan`` 0, for a step that leaves the CPU idle, as a GPU step does), a release
+thread of its own frees them (``release``). Beside a CPU step on every core, that thread
+measured no better than freeing in the step (``make bench-freeing``: its slices preempt the
+step's threads, which meet after every op).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import queue
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Iterator
 
 import faiss
 import numpy as np
@@ -31,7 +34,7 @@ RELEASE_SHARE = 0.1  # the most of one core that the freeing takes
 _released: queue.SimpleQueue = queue.SimpleQueue()
 _releaser: threading.Thread | None = None
 _handover = threading.Lock()
-# what the release thread freed in slices: ``lists`` (IVF indexes), ``pages`` (mapped rows); ``kept``: held elsewhere
+# what was freed in slices (either way): ``lists`` (IVF indexes), ``pages`` (mapped rows); ``kept``: held elsewhere
 freed: Counter[str] = Counter()
 
 
@@ -75,10 +78,19 @@ def _free_released() -> None:
 
 
 def _free(things: list) -> None:
-    """Free ``things`` (they go with this call's frame): an IVF index's lists and mapped key rows a
-    slice at a time, what something else still holds not at all."""
+    """Free ``things`` on the release thread, pausing after each slice (``_pause``)."""
     with _handover:
         pass
+    started = time.perf_counter()
+    for _ in slices(things):
+        _pause(started)
+        started = time.perf_counter()
+
+
+def slices(things: list) -> Iterator[None]:
+    """Free ``things`` (they go with this generator) a slice per ``next``: an IVF index's lists
+    and mapped key rows a slice at a time, what something else still holds not at all, the rest
+    whole when the generator ends. The caller keeps no other reference to them."""
     for thing in things:  # ``_held_by_list`` counts the references of this loop's shape
         if isinstance(thing, threading.Event):
             thing.set()
@@ -88,11 +100,43 @@ def _free(things: list) -> None:
             continue
         try:
             if isinstance(thing, faiss.Index):
-                _free_lists(thing)
+                yield from _free_lists(thing)
             elif isinstance(thing, np.ndarray):
-                _free_pages(thing)
-        except Exception:  # what is left goes whole; this thread goes on
+                yield from _free_pages(thing)
+        except Exception:  # what is left goes whole; the caller goes on
             log.warning("memory index: freeing a replaced %s in slices failed", type(thing).__name__, exc_info=True)
+
+
+class OnLoans:
+    """Freeing on the caller's thread, a slice at a time, in loans of its time (``spend``):
+    where builds run on loans (``build_loan`` > 0), the index frees what a swap replaced in the
+    updates after it, as it built the new index in those before."""
+
+    def __init__(self) -> None:
+        self._pending: deque[Iterator[None]] = deque()
+
+    def __len__(self) -> int:
+        """Hand-overs not freed yet."""
+        return len(self._pending)
+
+    def add(self, things: list) -> None:
+        """Free ``things`` in later loans, and empty the list."""
+        self._pending.append(slices(things.copy()))
+        things.clear()
+
+    def spend(self, seconds: float) -> int:
+        """Free slices for about ``seconds`` (at least one where any is left); the slices freed."""
+        deadline, n = time.perf_counter() + seconds, 0
+        while self._pending:
+            try:
+                next(self._pending[0])
+            except StopIteration:  # the rest of that hand-over went with its generator
+                self._pending.popleft()
+                continue
+            n += 1
+            if time.perf_counter() >= deadline:
+                break
+        return n
 
 
 def _held_by_list(things: list) -> int:
@@ -119,9 +163,9 @@ _HELD_BY_LIST = _held_by_list([object()])
 _ALONE = _mapping(np.frombuffer(mmap.mmap(-1, mmap.PAGESIZE), dtype=np.float32).reshape(-1, 4)[:8])[0]
 
 
-def _free_lists(index: faiss.Index) -> None:
-    """Free an IVF index's lists ``LISTS_PER_SLICE`` at a time, pausing between slices (the index
-    is unusable after; a layout other than ``ArrayInvertedLists`` goes whole with the index)."""
+def _free_lists(index: faiss.Index) -> Iterator[None]:
+    """Free an IVF index's lists ``LISTS_PER_SLICE`` at a time, yielding after each slice (the
+    index is unusable after; a layout other than ``ArrayInvertedLists`` goes whole with it)."""
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is None or not ivf.own_invlists:
         return
@@ -129,27 +173,25 @@ def _free_lists(index: faiss.Index) -> None:
     if not isinstance(lists, faiss.ArrayInvertedLists):
         return
     for n in range(lists.codes.size() - LISTS_PER_SLICE, -LISTS_PER_SLICE, -LISTS_PER_SLICE):
-        started = time.perf_counter()
         lists.codes.resize(max(n, 0))  # destroys the last lists' codes in FAISS (their ids, 0.5%, go with the index)
-        _pause(started)
+        yield
     freed["lists"] += 1
 
 
-def _free_pages(rows: np.ndarray) -> None:
+def _free_pages(rows: np.ndarray) -> Iterator[None]:
     """Hand back the pages of rows that a mapping of their own holds (``key_rows``, a lent build's
-    memfd) ``PAGES_PER_SLICE`` bytes at a time, pausing between slices, where no other view of
-    them is left: every link down to the mapping has the references of one alone."""
+    memfd) ``PAGES_PER_SLICE`` bytes at a time, yielding after each slice, where no other view
+    of them is left: every link down to the mapping has the references of one alone."""
     counts, area = _mapping(rows)
     if area is None or len(counts) != len(_ALONE) or any(c > a for c, a in zip(counts, _ALONE)):
         return
     for start in range(0, len(area), PAGES_PER_SLICE):
-        started = time.perf_counter()
         size = min(PAGES_PER_SLICE, len(area) - start)
         try:
             area.madvise(mmap.MADV_REMOVE, start, size)  # a shared mapping: frees the memfd's pages too
         except OSError:
             area.madvise(mmap.MADV_DONTNEED, start, size)  # a private one (``key_rows``)
-        _pause(started)
+        yield
     freed["pages"] += 1
 
 

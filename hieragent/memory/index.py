@@ -15,9 +15,10 @@ the index is rebuilt over the live rows only, so a removal costs O(1) amortised
 least ``background_from`` rows runs in a background thread on a snapshot of the rows, which
 are never written in place. The old index keeps answering every search meanwhile, and adds
 and removals go on; when the new index is ready the next call swaps it in and replays what
-changed since the snapshot (O(changes)); where builds run in a thread (``build_loan`` 0) the
-old index and rows are freed in another one too (``freeing.py``). ``wait()`` blocks until a
-running rebuild is in.
+changed since the snapshot (O(changes)). The old index and rows are freed a slice at a time
+after the swap (``freeing.py``): on the loans of the next updates, as the build ran on those
+before it, or where builds run in a thread (``build_loan`` 0), in another one too. ``wait()``
+blocks until a running rebuild is in.
 The build itself, over a snapshot, is ``rebuild.py``.
 """
 
@@ -33,7 +34,7 @@ from typing import Iterator
 import faiss
 import numpy as np
 
-from hieragent.memory.freeing import release
+from hieragent.memory.freeing import OnLoans, release
 from hieragent.memory.rebuild import (CHUNK, Built, Job, copy_live, give_room, index_over, key_rows, lower_priority,
                                       map_rows, new_rows)
 from hieragent.memory.structures import (STRUCTURE, IndexSpec, blas_search, fastscan_m, reranked, search_params,
@@ -90,6 +91,7 @@ class KeyIndex:
         self._asked = 0
         self._lent_at: float | None = None  # when the last ``lend`` returned
         self._between: deque[float] = deque(maxlen=LOANS_KEPT)  # the caller's time between them
+        self.freeing = OnLoans()  # what swaps replaced, freed on the loans after them
 
     # ---- reading -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -249,7 +251,10 @@ class KeyIndex:
             seconds = max(MIN_LOAN_S, self.spec.build_loan * statistics.median(self._between or [0.0]))
         if self._job is not None and self._job.lent is not None:
             self._lent(seconds)
-        self._poll()
+            self._poll()
+        else:
+            self._poll()
+            self.freeing.spend(seconds)  # what the last swap replaced, a slice at a time
         self._lent_at = time.perf_counter()  # the caller's own time runs from here to the next call
 
     def _lent(self, seconds: float | None) -> None:
@@ -431,8 +436,9 @@ class KeyIndex:
         self._bits = np.concatenate([bits, np.zeros(len(live) // 8 + 1 - len(bits), dtype=np.uint8)])
         self._faiss, self.active, self._template, self.trained_at = b.index, b.kind, b.template, b.trained_at
         if self.spec.build_loan > 0:
-            # a CPU step: freeing beside it in a thread measured no better than here (``make bench-freeing``)
-            old.clear()
+            # a CPU step: freed on the loans after this one, as the build ran on those before
+            # (a thread beside the step measured no better than freeing here: ``make bench-freeing``)
+            self.freeing.add(old)
         else:
             release(old)  # a build thread's setting (a GPU step, an idle CPU): off this thread
         self.ops["rows_rebuilt"] += total

@@ -1,20 +1,30 @@
-"""A swap hands the replaced index, its rows and its id map to a release thread
-(``freeing.release``), which frees an IVF index's lists and mapped rows a slice at a time: at 1M
-keys their pages took about 430 ms to free in the step that swapped."""
+"""A swap frees the replaced index, its rows and its id map a slice at a time, off the update
+that swapped: at 1M keys their pages took about 430 ms to free there. Where builds run on loans
+(``build_loan`` > 0) the loans after the swap free them (``freeing.OnLoans``); where builds run
+in a thread, a release thread does (``freeing.release``)."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 
 import faiss
 import numpy as np
+import pytest
 
 from hieragent.memory import freeing, rebuild
 from hieragent.memory.index import KeyIndex
 from hieragent.memory.structures import IndexSpec
 
 from index_helpers import D, brute_force, clustered, recall
+
+
+@pytest.fixture
+def no_cyclic_gc():
+    gc.disable()
+    yield
+    gc.enable()
 
 
 def freed_in(obj: object, where: list[str], name: str = "") -> None:
@@ -54,20 +64,54 @@ def test_a_swap_frees_the_old_index_and_rows_in_the_release_thread_and_every_sea
     assert recall(index.search(q, 10)[0], truth) == 1.0  # nprobe = nlist: exact
 
 
-def test_beside_a_cpu_step_the_swap_frees_the_old_index_itself():
+def test_beside_a_cpu_step_the_loans_after_a_swap_free_the_old_index_a_slice_each(monkeypatch, no_cyclic_gc):
     """With builds on loans (``build_loan`` > 0: a CPU step on every core), a release thread
-    measured no better than freeing in the step, so the swap frees what it replaced there."""
+    measured no better than freeing in the step, so each later loan frees a slice on this thread.
+    Without the cyclic collector: a lent build left in a reference cycle would be kept whole."""
+    monkeypatch.setattr(freeing, "LISTS_PER_SLICE", 2)  # 16 lists: 8 slices
     rng = np.random.default_rng(5)
     keys, ids = clustered(rng, 950), rng.permutation(10_000)[:950].astype(np.int64)
-    spec = IndexSpec(kind="ivf_flat", nlist=16, train_per_list=39, retrain_growth=1.3, background_from=10**9)
+    spec = IndexSpec(kind="ivf_flat", nlist=16, nprobe=16, train_per_list=39, retrain_growth=1.3, background_from=0)
     assert spec.build_loan > 0
     index = KeyIndex(D, spec)
-    index.add(ids[:700], keys[:700])  # trained inline
+    index.add(ids[:700], keys[:700])
+    index.wait()  # the first build, on loans
+    index.lend(0.0)  # frees what that swap replaced (a flat index: no slices)
+    assert index.active == "ivf_flat" and len(index.freeing) == 0
     where: list[str] = []
-    freed_in(index._faiss, where)
-    freed_in(index._buf, where)
-    index.add(ids[700:950], keys[700:950])  # the retrain, inline: the swap is done when add returns
-    assert index.trained_at == 950 and where == ["MainThread", "MainThread"]
+    freed_in(index._faiss, where, "index:")
+    freed_in(index._buf, where, "rows:")
+    lists = freeing.freed["lists"]
+    index.add(ids[700:950], keys[700:950])  # past 1.3x: a retrain on loans
+    assert index.building == "ivf_flat"
+    index.wait()  # the swap: nothing freed in it
+    assert where == [] and len(index.freeing) == 1 and index.trained_at == 950
+    q = keys[rng.choice(950, 32, replace=False)]
+    truth, _ = brute_force(keys, ids, q, 10)
+    loans = 0
+    while len(index.freeing):
+        index.lend(0.0)  # a loan of no time still frees one slice
+        loans += 1
+        assert recall(index.search(q, 10)[0], truth) == 1.0  # nprobe = nlist: exact, between every slice
+        if loans < 8:
+            assert where == [] and freeing.freed["lists"] == lists
+    assert loans >= 8 and freeing.freed["lists"] == lists + 1
+    assert sorted(where) == ["index:MainThread", "rows:MainThread"]
+
+
+def test_a_loan_frees_slices_for_its_seconds_and_at_least_one():
+    rng = np.random.default_rng(6)
+    loans = freeing.OnLoans()
+    where: list[str] = []
+    handed = [ivf_over(clustered(rng, 4000), nlist=2 * freeing.LISTS_PER_SLICE) for _ in range(2)]
+    for thing in handed:
+        freed_in(thing, where)
+    del thing
+    loans.add(handed)
+    assert handed == [] and len(loans) == 1
+    assert loans.spend(0.0) == 1 and where == []  # half the first index's lists
+    assert loans.spend(60.0) == 3 and where == ["MainThread"] * 2 and len(loans) == 0  # the rest
+    assert loans.spend(60.0) == 0
 
 
 def test_an_index_held_elsewhere_keeps_its_lists_and_answers_after_its_release():

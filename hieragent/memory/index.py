@@ -249,12 +249,12 @@ class KeyIndex:
             self._between.append(now - self._lent_at)
         if seconds is None:
             seconds = max(MIN_LOAN_S, self.spec.build_loan * statistics.median(self._between or [0.0]))
-        if self._job is not None and self._job.lent is not None:
+        building = self._job is not None and self._job.lent is not None
+        if building:
             self._lent(seconds)
-            self._poll()
-        else:
-            self._poll()
-            self.freeing.spend(seconds)  # what the last swap replaced, a slice at a time
+        self._poll()
+        if not building:  # the loan frees what the last swap replaced, a slice at a time
+            self.freeing.spend(seconds)
         self._lent_at = time.perf_counter()  # the caller's own time runs from here to the next call
 
     def _lent(self, seconds: float | None) -> None:
@@ -437,7 +437,7 @@ class KeyIndex:
         self._faiss, self.active, self._template, self.trained_at = b.index, b.kind, b.template, b.trained_at
         if self.spec.build_loan > 0:
             # a CPU step: freed on the loans after this one, as the build ran on those before
-            # (a thread beside the step measured no better than freeing here: ``make bench-freeing``)
+            # (a thread beside the step measured no better than freeing in it: ``make bench-freeing``)
             self.freeing.add(old)
         else:
             release(old)  # a build thread's setting (a GPU step, an idle CPU): off this thread

@@ -85,13 +85,19 @@ class HierAgentCLI(LightningCLI):
                              "set trainer.precision to override\n")
 
     def instantiate_trainer(self, **kwargs: Any):
-        from hieragent.lightning.callbacks import AtomicCheckpointIO
+        """The config's trainer, with atomic checkpoint writes and a frozen heap
+        (``callbacks.FrozenHeap``) unless the config gives its own."""
+        from hieragent.lightning.callbacks import AtomicCheckpointIO, FrozenHeap
 
         config = self._get(self.config_init, "trainer", default={})
         plugins = config.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins = [*plugins, AtomicCheckpointIO()]
+        callbacks = config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if not any(isinstance(c, FrozenHeap) for c in callbacks):
+            kwargs["callbacks"] = [*callbacks, FrozenHeap()]
         if getattr(self, "_rollout_ddp", False) and isinstance(config.get("strategy") or "auto", str):
             kwargs["strategy"] = RolloutDDPStrategy()  # `ddp`, or `auto` on several devices
         trainer = super().instantiate_trainer(plugins=plugins, **kwargs)

@@ -23,7 +23,9 @@ workload, the retrieval, the evolution, the loan to the build (``lend_index``), 
 each net of Python's garbage collection, which is its own part (``gc.callbacks``). A step
 above twice the median is put down to the part that exceeded its own median the most (the
 parts' medians over the steps with no rebuild), so that the verdict says whether the bank
-made a step long or the fixed workload itself ran slow (a busy shared machine).
+made a step long or the fixed workload itself ran slow (a busy shared machine). As a trainer
+does (``callbacks.FrozenHeap``), the loop freezes what is alive before its first step
+(``hieragent/heap.py``), unless ``freeze`` is off: runs before 2026-12-07 (later) did not.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import numpy as np
 import torch
 from rich.table import Table
 
+from hieragent import heap
 from hieragent.memory.adapter import QueryAdapter
 from hieragent.memory.bank import FORMAT_VERSION, MemoryBank
 from hieragent.memory.structures import IndexSpec, trains
@@ -260,6 +263,7 @@ class Stall:
     swap_ms: float = float("nan")  # the caller's share of the swap, inside one step
     swap_step_ms: float = float("nan")  # the step that swapped the new index in
     parts: dict[str, list[float]] = field(default_factory=dict)  # per step, by part (``PARTS``)
+    slices: dict[str, float] = field(default_factory=dict)  # a lent build's longest slice per stage (ms)
 
     @property
     def during(self) -> int:
@@ -302,11 +306,12 @@ class Stall:
 
 def stall(state: dict, draw: Callable[[int], np.ndarray], mode: str, seed: int,
           spec: IndexSpec | None = None, baseline: int = BASELINE, step_ms: float = STEP_MS,
-          max_steps: int = 20_000) -> Stall:
+          max_steps: int = 20_000, freeze: bool = True) -> Stall:
     """Training steps across one retrain of the index of the bank saved in ``state``, rebuilt
     as ``mode`` says (one of ``MODES``), at most ``max_steps`` (a rebuild beside a busy step
     can take many). The retrain starts in update ``baseline`` and ``baseline`` steps follow
-    its swap: the steps with no rebuild that the median is taken over."""
+    its swap: the steps with no rebuild that the median is taken over. ``freeze``: what is alive
+    before the first step is frozen out of the collector's walks, as in training."""
     if mode not in MODES:
         raise ValueError(f"stall mode '{mode}' is unknown; expected one of {', '.join(MODES)}")
     n = len(state["ids"])
@@ -333,7 +338,7 @@ def stall(state: dict, draw: Callable[[int], np.ndarray], mode: str, seed: int,
     started = ended = None
     after = 0
     rebuilds = index.ops["rebuilds"]
-    with pauses:
+    with pauses, heap.frozen(freeze):
         while after <= baseline and len(times) < max_steps:  # the swap step, then ``baseline``
             was = bool(index.building)
             t0, g0 = time.perf_counter(), pauses.ms
@@ -358,7 +363,9 @@ def stall(state: dict, draw: Callable[[int], np.ndarray], mode: str, seed: int,
     swap_step = times[rebuilding.index(True) + sum(rebuilding) - 1] if any(rebuilding) else float("nan")
     by_part = dict(zip(PARTS, (work, parts.retrieval_ms, parts.evolution_ms, parts.loan_ms, parts.metrics_ms,
                                parts.gc_ms)))
-    return Stall(MODES[mode], n, times, rebuilding, rebuild_s, cpu_s, 1e3 * index.last_swap_s, swap_step, by_part)
+    label = MODES[mode] + ("" if freeze else ", heap live")
+    slices = {stage: 1e3 * sec for stage, sec in index.last_slices.items()} if mode == "lent" else {}
+    return Stall(label, n, times, rebuilding, rebuild_s, cpu_s, 1e3 * index.last_swap_s, swap_step, by_part, slices)
 
 
 def upkeep_table(rows: list[tuple[int, str, Update, float]], goal_ms: float = 50.0) -> Table:
@@ -430,4 +437,7 @@ def verdicts(upkeep: list[tuple[int, str, Update, float]], stalls: list[Stall], 
                      f"its median: {causes}), {r.bank_over} still above 2x with the workload at its median time "
                      f"(the bank's own parts: {own}), rebuild "
                      f"{r.rebuild_s:.1f} s over {r.during} steps")
+        if r.slices:
+            lines.append("  its build's longest slice in the training thread, by stage (ms; lent.LentBuild): " +
+                         ", ".join(f"{stage} {ms:.1f}" for stage, ms in r.slices.items()))
     return lines

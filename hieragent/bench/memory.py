@@ -50,10 +50,12 @@ Single queries are another matter: there FAISS's 2 OpenMP threads are slower tha
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import multiprocessing
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -446,6 +448,16 @@ def machine_line() -> str:
             f"OpenMP: {'one runtime for torch and FAISS' if one_runtime() else 'two runtimes (FAISS first)'}")
 
 
+def heap_line() -> str:
+    """A full garbage collection in a fresh process with the trainer's imports, before and
+    after the freeze that training does (``python -m hieragent.heap``)."""
+    out = subprocess.run([sys.executable, "-m", "hieragent.heap"], capture_output=True, text=True, check=True)
+    h = json.loads(out.stdout.splitlines()[-1])
+    return (f"a full garbage collection with the trainer's imports: {h['live_ms']:.0f} ms over {h['tracked']:,} "
+            f"tracked objects; {h['frozen_ms']:.2f} ms once they are frozen, as training does at its start "
+            f"(python -m hieragent.heap)")
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000],
@@ -459,6 +471,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
                    help="bank size of the retrain-stall measurement (default: the largest size; 0: skip)")
     p.add_argument("--stall-modes", nargs="+", choices=list(bank_upkeep.MODES), default=list(bank_upkeep.MODES),
                    help="how the stall measurement rebuilds: inside add, in a thread, in a process on loans")
+    p.add_argument("--stall-heap", nargs="+", choices=["frozen", "live"], default=["frozen"],
+                   help="the stall loop's heap: frozen before the first step, as training's (callbacks.FrozenHeap), "
+                        "or live, as before 2026-12-07 (later); both: one run each, for the comparison")
     p.add_argument("--spinner", action="store_true",
                    help="also time the fixed training step beside a process spinning at niceness 10 and 19")
     p.add_argument("--no-upkeep", action="store_true", help="skip the upkeep and stall tables")
@@ -498,10 +513,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
     console = Console(width=max(Console().width, 170))
     machine = machine_line()
     print(machine)
+    notes += [] if a.quick or a.no_upkeep else [heap_line()]
     cache = os.environ.get("HIERAGENT_CACHE")
     with tempfile.TemporaryDirectory() as fresh, Progress(console=console) as progress:
         upkeep_jobs = [] if a.no_upkeep else a.sizes
-        task = progress.add_task("bench-memory", total=3 * len(jobs) + 1 + len(upkeep_jobs) + len(a.stall_modes) * bool(stall_n))
+        stall_runs = len(a.stall_modes) * len(a.stall_heap) * bool(stall_n)
+        task = progress.add_task("bench-memory", total=3 * len(jobs) + 1 + len(upkeep_jobs) + stall_runs)
         try:
             for data, n in jobs:
                 progress.update(task, description=f"{data} n={n:,}")
@@ -533,9 +550,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
                     state = bank.state_dict()
                     del bank
                     for mode in a.stall_modes:
-                        progress.update(task, description=f"retrain stall n={n:,}, {mode}")
-                        stalls.append(bank_upkeep.stall(state, draw, mode, a.seed, **quick_stall))
-                        progress.advance(task)
+                        for kept in a.stall_heap:
+                            progress.update(task, description=f"retrain stall n={n:,}, {mode}, heap {kept}")
+                            stalls.append(bank_upkeep.stall(state, draw, mode, a.seed, freeze=kept == "frozen",
+                                                            **quick_stall))
+                            progress.advance(task)
                     del state
         finally:
             if cache is None:

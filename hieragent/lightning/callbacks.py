@@ -1,4 +1,5 @@
-"""Callbacks and plugins: the before/after evaluation table and atomic checkpoint writes."""
+"""Callbacks and plugins: the before/after evaluation table, atomic checkpoint writes and the
+frozen heap."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from rich.table import Table
 
 import torch
 
+from hieragent import heap
 from hieragent.io import atomic_open, atomic_write_text
 from hieragent.lightning.distributed import all_sum, log_dir
 
@@ -161,6 +163,33 @@ class LevelTable(L.Callback):
         Console(width=max(Console().width, 110)).print(table)
         if run_dir := log_dir(trainer):
             atomic_write_text(Path(run_dir) / f"{stage}_summary.json", json.dumps(rows, indent=2))
+
+
+class FrozenHeap(L.Callback):
+    """Keep Python's full garbage collections off the training steps (``hieragent/heap.py``):
+    once training starts, what is alive then (modules, model, bank) is frozen out of the
+    collector's walks, and given back when training ends or fails. ``hieragent fit`` adds one
+    unless the config lists it; ``enabled: false`` turns it off.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.frozen = 0  # objects frozen by this callback, while they are
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.enabled and not self.frozen:
+            self.frozen = heap.freeze()
+
+    def _give_back(self) -> None:
+        if self.frozen:
+            heap.unfreeze()
+            self.frozen = 0
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._give_back()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._give_back()
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

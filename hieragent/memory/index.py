@@ -47,7 +47,7 @@ QUERIES_KEPT = 256  # recent queries kept for ``auto`` to measure recall on
 CATCH_UP_LEFT = 512  # a background build hands over once at most this many new rows are unindexed
 LOANS_KEPT = 16  # updates whose median time sets a loan
 MIN_LOAN_S = 0.005  # the least a loan gives a build (updates of a few milliseconds still finish it)
-CATCH_UP_SLICE = 1024  # rows a lent build's catch-up indexes per slice (an IVF assignment each)
+CATCH_UP_SLICE = 256  # rows a lent build's catch-up indexes per slice (an IVF assignment each)
 
 
 class KeyIndex:
@@ -85,6 +85,7 @@ class KeyIndex:
         self.hold_swaps = False  # across processes: a finished background build waits for wait()
         self.last_build: tuple[float, float] | None = None  # the last background build: (wall s, its CPU s)
         self.last_swap_s = float("nan")  # seconds the caller's thread spent in the last swap
+        self.last_slices: dict[str, float] = {}  # the last lent build: its longest slice per stage (s)
         self.ops: Counter[str] = Counter()
         self._faiss: faiss.Index = faiss.IndexFlatIP(dim)
         self._queries = np.zeros((QUERIES_KEPT, dim), dtype=np.float32)
@@ -384,12 +385,14 @@ class KeyIndex:
 
     def _lent_finish(self, job: Job, m: int, kind: str, index: faiss.Index, template: faiss.Index | None,
                      trained_at: int, tuned: dict[str, int], note: str, buf: np.ndarray,
-                     rid: np.ndarray) -> Iterator[None]:
+                     rid: np.ndarray) -> Iterator[str]:
         """A lent build's last steps, in this thread and in slices: the id map, the catch-up."""
         row: dict[int, int] = {}
-        yield from map_rows(rid, m, row)
+        for _ in map_rows(rid, m, row):
+            yield "map"
         built = Built(kind, index, template, trained_at, buf, rid, m, row, tuned, note)
-        yield from self._catch_up_steps(built, job, CATCH_UP_SLICE, blas=True)
+        for _ in self._catch_up_steps(built, job, CATCH_UP_SLICE, blas=True):
+            yield "catch-up"
         job.cpu_s, job.built = job.lent.cpu_s, built
 
     def _poll(self, force: bool = False) -> None:
@@ -426,6 +429,7 @@ class KeyIndex:
                      f" ({b.note})" if b.note else "")
         if job.background:
             self.last_build = (time.perf_counter() - job.started, job.cpu_s)
+            self.last_slices = dict(job.lent.longest) if job.lent is not None else {}
             log.info("memory index: the background build of %s swapped in after %.1f s (%.1f s of CPU in its "
                      "%s)", b.kind, *self.last_build, "process" if job.lent is not None else "thread")
         if self.spec.kind == "auto" and b.kind != "flat":

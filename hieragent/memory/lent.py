@@ -47,7 +47,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from hieragent.memory.rebuild import CHUNK, copy_live, index_over, new_rows, rows_capacity
+from hieragent.memory.rebuild import copy_live, index_over, new_rows, rows_capacity, slice_rows
 from hieragent.memory.structures import IndexSpec
 
 CHILD = "child"  # what the caller's steps yield while the child works
@@ -63,12 +63,19 @@ class LentBuild:
     """The caller's side of one rebuild: ``advance(seconds)`` runs its steps (and the child)
     for that long, ``finish()`` to the end without stopping the child. Once the child is done,
     ``after(m, kind, index, template, trained_at, tuned, note, buf, rid)`` gives the caller's last
-    steps (an iterator, each item one slice); ``done`` when they are."""
+    steps (an iterator, each item one slice); ``done`` when they are.
+
+    ``longest`` keeps, per stage of the caller's share, its longest slice in seconds (a stall
+    above one loan names its stage there): ``copy`` (the snapshot into shared memory),
+    ``start`` (the request and the child's start), ``stop`` (the child's stop after its loan,
+    beyond the loan), ``result`` (reading what the child built), ``fill`` (the IVF lists) and
+    what ``after`` yields (the bank's: ``map``, ``catch-up``)."""
 
     def __init__(self, buf: np.ndarray, rid: np.ndarray, keep: np.ndarray, dim: int, request: dict[str, Any],
-                 after: Callable[..., Iterator[None]]) -> None:
+                 after: Callable[..., Iterator[str]]) -> None:
         self.dim, self.request, self.after = dim, request, after
         self.done, self.cpu_s = False, float("nan")
+        self.longest: dict[str, float] = {}
         self._held = _Held()  # the child and the memfds, released by close() or when this build is dropped
         weakref.finalize(self, self._held.release)
         self._steps = self._run(buf, rid, keep)
@@ -96,8 +103,9 @@ class LentBuild:
         self._held.release()
 
     def _step(self) -> str | None:
+        t0 = time.perf_counter()
         try:
-            return next(self._steps)
+            stage = next(self._steps)
         except StopIteration:
             self._end()
             return None
@@ -105,6 +113,12 @@ class LentBuild:
             self._end()
             self.close()
             raise
+        if stage != CHILD:  # the child's own time is in its loans (``_lend``)
+            self._note(stage, time.perf_counter() - t0)
+        return stage
+
+    def _note(self, stage: str, seconds: float) -> None:
+        self.longest[stage] = max(seconds, self.longest.get(stage, 0.0))
 
     def _end(self) -> None:
         """Done: ``after`` goes, since its closure holds the caller's job, which holds this build.
@@ -120,22 +134,27 @@ class LentBuild:
         try:
             proc.wait(timeout=None if seconds is None else max(seconds, 0.0))
         except subprocess.TimeoutExpired:
+            t0 = time.perf_counter()
             stop(proc)
+            self._note("stop", time.perf_counter() - t0)
 
-    def _run(self, buf: np.ndarray, rid: np.ndarray, keep: np.ndarray) -> Iterator[str | None]:
+    def _run(self, buf: np.ndarray, rid: np.ndarray, keep: np.ndarray) -> Iterator[str]:
         m, dim, held = len(keep), self.dim, self._held
         size = rows_capacity(m) * dim * 4
         fd = held.memfd("keys")
         os.ftruncate(fd, size)
         shared = np.frombuffer(mmap.mmap(fd, size), dtype=np.float32).reshape(-1, dim)
         new_buf, new_rid = new_rows(m, dim, shared)
-        yield from copy_live(buf, rid, keep, new_buf, new_rid)  # into memory the child maps
+        rows = slice_rows(dim)
+        for _ in copy_live(buf, rid, keep, new_buf, new_rid, rows):  # into memory the child maps
+            yield "copy"
         request, result, err = held.memfd("request"), held.memfd("result"), held.memfd("stderr")
         pickle.dump({**self.request, "m": m, "dim": dim}, Slices(request), protocol=pickle.HIGHEST_PROTOCOL)
         fds = (fd, request, result)
         held.proc = subprocess.Popen([sys.executable, "-m", "hieragent.memory.lent", *map(str, fds)], pass_fds=fds,
                                      stdin=subprocess.DEVNULL, stdout=err, stderr=err)
         stop(held.proc)  # it runs on loans only (its imports included)
+        yield "start"
         while held.proc.poll() is None:
             yield CHILD
         if held.proc.returncode != 0:
@@ -147,14 +166,14 @@ class LentBuild:
         self.cpu_s = out["cpu_s"]
         index = faiss.deserialize_index(out["index"])
         template = faiss.deserialize_index(out["template"]) if out["template"] is not None else None
-        yield None
+        yield "result"
         assign = out["assign"]
         if assign is not None:  # ivf_flat: fill the trained, empty index's lists here, a slice at a time
-            for s in range(0, m, CHUNK):
-                e = min(s + CHUNK, m)
+            for s in range(0, m, rows):
+                e = min(s + rows, m)
                 x, ids, lists = new_buf[s:e], np.arange(s, e, dtype=np.int64), np.ascontiguousarray(assign[s:e])
                 index.add_core(e - s, faiss.swig_ptr(x), faiss.swig_ptr(ids), faiss.swig_ptr(lists))
-                yield None
+                yield "fill"
         yield from self.after(m, out["kind"], index, template, out["trained_at"], out["tuned"], out["note"], new_buf,
                               new_rid)
 

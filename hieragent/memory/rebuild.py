@@ -4,7 +4,8 @@ A rebuild (a change of kind, an IVF retrain, a compaction) copies the snapshot's
 into new ones, builds the index that ``kind`` names over them (``index_over``; ``auto``
 measures which, ``autotune.py``), and maps each id to its new row. The same steps run inline,
 in a background thread (``index.py``) or in a process on loans (``lent.py``). The copies and
-the map yield after each slice of ``CHUNK`` rows, where a lent build pauses between loans.
+the map yield after each slice of ``CHUNK`` rows (a lent build's copies: ``SLICE_BYTES`` of keys),
+where a lent build pauses between loans.
 A rebuild hands back a ``Built``; its owner keeps a ``Job`` while one is in flight. Where builds
 run in a thread, what a swap replaces is freed in one too (``freeing.py``).
 """
@@ -27,7 +28,15 @@ from hieragent.memory.structures import IndexSpec, trained_index, trains
 # rows per call while (re)building: numpy copies and dict updates hold the GIL, so a background
 # build does its Python-side work in slices of a few milliseconds and the step is never blocked long
 CHUNK = 8192
+# what a lent build's copies move per slice, in the training thread between two loans: rows of
+# keys are larger than ids (CHUNK rows of 384-d keys are 12 MB)
+SLICE_BYTES = 2 << 20
 HUGE_PAGE = 2 << 20
+
+
+def slice_rows(dim: int) -> int:
+    """Rows of ``dim``-d float32 keys in one ``SLICE_BYTES`` slice (at least 256)."""
+    return max(256, SLICE_BYTES // (4 * dim))
 
 
 def lower_priority(nice: int) -> None:
@@ -68,11 +77,11 @@ def rows_capacity(m: int) -> int:
 
 
 def copy_live(buf: np.ndarray, rid: np.ndarray, keep: np.ndarray, new_buf: np.ndarray,
-              new_rid: np.ndarray) -> Iterator[None]:
-    """The snapshot's live rows ``keep`` into the first rows of the new ones, a ``CHUNK`` at a
+              new_rid: np.ndarray, rows: int = CHUNK) -> Iterator[None]:
+    """The snapshot's live rows ``keep`` into the first rows of the new ones, ``rows`` at a
     time (yielding after each: a lent build slices its work there)."""
-    for s in range(0, len(keep), CHUNK):
-        e = min(s + CHUNK, len(keep))
+    for s in range(0, len(keep), rows):
+        e = min(s + rows, len(keep))
         new_buf[s:e], new_rid[s:e] = buf[keep[s:e]], rid[keep[s:e]]
         yield None
 

@@ -66,9 +66,14 @@ def test_upkeep_keeps_a_full_bank_full_and_a_background_retrain_never_stops_the_
     spec = IndexSpec(kind="ivf_flat", nlist=16)
     inline = bank_upkeep.stall(state, draw, "inline", seed=5, spec=spec, step_ms=5.0, baseline=4)
     assert inline.during == 1 and math.isfinite(inline.rebuild_s) and math.isnan(inline.cpu_s)
-    for mode in ("thread", "lent"):
-        behind = bank_upkeep.stall(state, draw, mode, seed=5, spec=spec, step_ms=5.0, baseline=4)
+    for mode, freeze in (("thread", False), ("lent", True)):
+        behind = bank_upkeep.stall(state, draw, mode, seed=5, spec=spec, step_ms=5.0, baseline=4, freeze=freeze)
+        assert gc.get_freeze_count() == 0  # a frozen loop thaws at its end
+        assert behind.mode == bank_upkeep.MODES[mode] + ("" if freeze else ", heap live")
         assert math.isfinite(behind.rebuild_s) and behind.cpu_s > 0  # its own thread or process did the work
+        # a lent build names the longest slice of each stage it ran in the training thread
+        assert (set(behind.slices) >= {"copy", "start", "result", "fill", "map"}) == (mode == "lent")
+        assert all(ms > 0 for ms in behind.slices.values())
         # the retrain started after 4 updates of adds, steps went on until it was swapped in, then it was over
         assert behind.rebuilding.index(True) == 3 and behind.during >= 2
         assert behind.rebuilding[-5:] == [True] + [False] * 4  # the swap step, then 4 steps with no rebuild
@@ -79,7 +84,9 @@ def test_upkeep_keeps_a_full_bank_full_and_a_background_retrain_never_stops_the_
         assert all(s <= t for s, t in zip(sums, behind.steps)) and sum(sums) > 0.9 * sum(behind.steps)
         assert min(behind.parts["work"]) > 0 and min(behind.parts["gc"]) >= 0
         verdict = bank_upkeep.verdicts([], [behind])[0]
-        assert f"retrain {bank_upkeep.MODES[mode]})" in verdict and ("(met: <= 2x)" in verdict or "(not met" in verdict)
+        assert f"retrain {behind.mode})" in verdict and ("(met: <= 2x)" in verdict or "(not met" in verdict)
+        assert ("longest slice in the training thread, by stage (ms; lent.LentBuild): copy " in
+                "\n".join(bank_upkeep.verdicts([], [behind]))) == (mode == "lent")
         over = sum(t > 2 * statistics.median(t for t, r in zip(behind.steps, behind.rebuilding) if not r)
                    for t in behind.steps)
         assert f", {over} of {len(behind.steps)} steps above 2x (" in verdict and (over > 0) == (behind.ratio > 2)

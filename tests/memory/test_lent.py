@@ -85,6 +85,10 @@ def test_a_lent_build_takes_cpu_only_on_loans_and_loses_no_entry(keys):
     assert index.active == "ivf_flat" and loans > 1 and index.trained_at == 700 and running == 0
     assert memfds(before) in (Counter(), Counter(keys=1))  # at most the mapping the new rows may live in
     assert index.last_build[1] > 0  # the process's CPU seconds
+    # the longest slice of each stage the caller ran ("stop" only where a loan ran out, "catch-up" only
+    # where more rows came in meanwhile than a swap replays)
+    assert set(index.last_slices) - {"stop", "catch-up"} == {"copy", "start", "result", "fill", "map"}
+    assert all(s > 0 for s in index.last_slices.values())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert set(index.ids().tolist()) == set(live)
@@ -93,6 +97,21 @@ def test_a_lent_build_takes_cpu_only_on_loans_and_loses_no_entry(keys):
     assert recall(found, truth) >= 0.95
     near = index.reconstruct(found.ravel()).reshape(*found.shape, D).astype(np.float64)
     np.testing.assert_allclose(scores, np.einsum("bd,bkd->bk", q.astype(np.float64), near), atol=1e-5)
+
+
+def test_the_copy_into_shared_memory_moves_a_slice_of_bytes_per_step():
+    from hieragent.memory.rebuild import SLICE_BYTES, copy_live, slice_rows
+
+    assert slice_rows(384) * 384 * 4 <= SLICE_BYTES < (slice_rows(384) + 1) * 384 * 4
+    assert slice_rows(1 << 20) == 256  # at least a few rows, however wide
+    rng = np.random.default_rng(11)
+    buf, rid = rng.standard_normal((1000, D)).astype(np.float32), rng.permutation(5000)[:1000].astype(np.int64)
+    keep = np.sort(rng.choice(1000, 300, replace=False))
+    new_buf, new_rid = np.zeros((450, D), dtype=np.float32), np.full(450, -1, dtype=np.int64)
+    steps = sum(1 for _ in copy_live(buf, rid, keep, new_buf, new_rid, rows=64))
+    assert steps == 5  # ceil(300 / 64)
+    assert new_buf[:300].tobytes() == buf[keep].tobytes() and new_rid[:300].tolist() == rid[keep].tolist()
+    assert not new_buf[300:].any() and (new_rid[300:] == -1).all()
 
 
 def test_a_killed_build_process_says_so_and_keeps_the_old_index(keys):

@@ -33,6 +33,7 @@ import time
 
 from hieragent.bench import bank_upkeep
 from hieragent.bench.memory import cluster_source, machine_line
+from hieragent.bench.noise import OVERLAP, separation
 from hieragent.memory import freeing
 from hieragent.memory.bank import MemoryBank, saved_index_state
 from hieragent.memory.index import KeyIndex
@@ -97,12 +98,12 @@ def summary(results: list[dict]) -> list[str]:
     for a, b in (("loans", "step"), ("none", "loans"), ("thread", "step"), ("none", "thread")):
         if not by[a] or not by[b]:
             continue
-        if max(by[a]) < min(by[b]):
-            lines.append(f"{WAYS[a]}: every round's longest step was shorter than every round's of {WAYS[b]}")
-        elif max(by[b]) < min(by[a]):
-            lines.append(f"{WAYS[b]}: every round's longest step was shorter than every round's of {WAYS[a]}")
+        side = separation(by[a], by[b])
+        if side:
+            short, long = (a, b) if side < 0 else (b, a)
+            lines.append(f"{WAYS[short]}: every round's longest step was shorter than every round's of {WAYS[long]}")
         else:
-            lines.append(f"{WAYS[a]} and {WAYS[b]}: the ranges overlap, a difference inside this machine's noise")
+            lines.append(f"{WAYS[a]} and {WAYS[b]}: {OVERLAP}")
     return lines
 
 

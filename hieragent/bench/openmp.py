@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 
+from hieragent.bench.noise import OVERLAP, separation  # imports neither torch nor FAISS: the order stays the child's
+
 ORDERS = {"faiss": "FAISS first", "torch": "torch first"}
 RUNTIMES = {"faiss": "two runtimes", "torch": "one runtime"}
 PARTS = ("retrieval_ms", "evolution_ms", "metrics_ms")
@@ -60,12 +62,13 @@ def summary(results: list[dict]) -> list[str]:
     lines = [f"{ORDERS[o]} ({RUNTIMES[o]}): median {statistics.median(v):.1f} ms over {len(v)} processes "
              f"({min(v):.1f}-{max(v):.1f})" for o, v in by.items()]
     lines.append(f"two runtimes / one: {two / one:.2f}x")
-    if max(by["torch"]) < min(by["faiss"]):
+    side = separation(by["torch"], by["faiss"])
+    if side < 0:
         lines.append("every process with one runtime was faster than every process with two")
-    elif max(by["faiss"]) < min(by["torch"]):
+    elif side > 0:
         lines.append("every process with two runtimes was faster than every process with one")
     else:
-        lines.append("the two orders' ranges overlap: the difference is inside this machine's noise")
+        lines.append(f"the two orders: {OVERLAP}")
     return lines
 
 

@@ -48,6 +48,7 @@ CATCH_UP_LEFT = 512  # a background build hands over once at most this many new 
 LOANS_KEPT = 16  # updates whose median time sets a loan
 MIN_LOAN_S = 0.005  # the least a loan gives a build (updates of a few milliseconds still finish it)
 CATCH_UP_SLICE = 256  # rows a lent build's catch-up indexes per slice (an IVF assignment each)
+DROP_SLICE = 8192  # ids removed during a build that its catch-up drops per slice
 
 
 class KeyIndex:
@@ -469,15 +470,18 @@ class KeyIndex:
         b.caught = end
 
     @staticmethod
-    def _drop_removed(b: Built, job: Job) -> None:
+    def _drop_removed(b: Built, job: Job, limit: int | None = None) -> bool:
         """Take the snapshot's rows of the ids removed since the snapshot out of ``b`` (into
-        ``b.killed``), from where the last call stopped."""
+        ``b.killed``), from where the last call stopped, at most ``limit`` of them (None: all);
+        True while more are left."""
         end = len(job.removed)  # the list only grows (in the caller's thread)
-        for i in job.removed[b.dropped:end]:
+        stop = end if limit is None else min(end, b.dropped + limit)
+        for i in job.removed[b.dropped:stop]:
             row = b.row.pop(i, None)
             if row is not None:
                 b.killed.append(row)
-        b.dropped = end
+        b.dropped = stop
+        return stop < end
 
     def _catch_up(self, b: Built, job: Job) -> None:
         """In the build thread: index the rows added while it built and drop the removed ones,
@@ -491,7 +495,9 @@ class KeyIndex:
         snap_n = job.snap_n
         b.caught = snap_n
         while True:
-            self._drop_removed(b, job)
+            # a lent build's first pass drops every eviction made while it built: in slices too
+            while self._drop_removed(b, job, DROP_SLICE):
+                yield None
             end = self._n  # read before the buffer: every row below it is in that buffer
             if end - b.caught <= CATCH_UP_LEFT:
                 return

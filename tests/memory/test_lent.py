@@ -114,6 +114,37 @@ def test_the_copy_into_shared_memory_moves_a_slice_of_bytes_per_step():
     assert not new_buf[300:].any() and (new_rid[300:] == -1).all()
 
 
+def test_removals_made_during_a_build_are_dropped_in_slices_and_none_survives(keys, monkeypatch):
+    from hieragent.memory import index as index_mod
+
+    monkeypatch.setattr(index_mod, "DROP_SLICE", 64)
+    dropped: list[int] = []
+    drop = KeyIndex._drop_removed
+
+    def counted(b, job, limit=None):
+        before = b.dropped
+        more = drop(b, job, limit)
+        dropped.append((b.dropped - before, limit))
+        return more
+
+    monkeypatch.setattr(KeyIndex, "_drop_removed", staticmethod(counted))
+    x, ids, q = keys
+    index = KeyIndex(D, SPEC)
+    index.add(ids[:700], x[:700])  # the build starts on loans
+    started(index)
+    index.add(ids[700:3000], x[700:3000])
+    index.remove(ids[100:600])  # 500 of the snapshot's ids removed while it builds
+    while index.building:
+        index.lend(0.02)
+    sliced = [n for n, limit in dropped if limit is not None]
+    assert sum(sliced) == 500 and max(sliced) == 64 and len(sliced) >= 8  # 500 ids, 64 per slice
+    assert all(n == 0 for n, limit in dropped if limit is None)  # the swap had none left to drop
+    live = np.r_[ids[:100], ids[600:3000]]
+    assert set(index.ids().tolist()) == set(live.tolist())
+    truth, _ = brute_force(np.r_[x[:100], x[600:3000]], live, q, 10)
+    assert recall(index.search(q, 10)[0], truth) >= 0.95
+
+
 def test_a_killed_build_process_says_so_and_keeps_the_old_index(keys):
     x, ids, q = keys
     index = KeyIndex(D, SPEC)

@@ -90,12 +90,9 @@ class HierAgentCLI(LightningCLI):
         from hieragent.lightning.callbacks import AtomicCheckpointIO, FrozenHeap
 
         config = self._get(self.config_init, "trainer", default={})
-        plugins = config.get("plugins") or []
-        plugins = plugins if isinstance(plugins, list) else [plugins]
+        plugins, callbacks = listed(config.get("plugins")), listed(config.get("callbacks"))
         if not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins = [*plugins, AtomicCheckpointIO()]
-        callbacks = config.get("callbacks") or []
-        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
         if not any(isinstance(c, FrozenHeap) for c in callbacks):
             kwargs["callbacks"] = [*callbacks, FrozenHeap()]
         if getattr(self, "_rollout_ddp", False) and isinstance(config.get("strategy") or "auto", str):
@@ -103,6 +100,13 @@ class HierAgentCLI(LightningCLI):
         trainer = super().instantiate_trainer(plugins=plugins, **kwargs)
         align_logger_versions(trainer.loggers)
         return trainer
+
+
+def listed(value: Any) -> list:
+    """A trainer setting given as nothing, one item or a list, as a list."""
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
 
 
 def align_logger_versions(loggers: list) -> None:

@@ -364,7 +364,7 @@ def stall(state: dict, draw: Callable[[int], np.ndarray], mode: str, seed: int,
     by_part = dict(zip(PARTS, (work, parts.retrieval_ms, parts.evolution_ms, parts.loan_ms, parts.metrics_ms,
                                parts.gc_ms)))
     label = MODES[mode] + ("" if freeze else ", heap live")
-    slices = {stage: 1e3 * sec for stage, sec in index.last_slices.items()} if mode == "lent" else {}
+    slices = {stage: 1e3 * sec for stage, sec in index.last_slices.items()}  # empty unless lent
     return Stall(label, n, times, rebuilding, rebuild_s, cpu_s, 1e3 * index.last_swap_s, swap_step, by_part, slices)
 
 

@@ -7,7 +7,6 @@ import math
 
 import lightning as L
 import pytest
-from lightning.pytorch.loggers import CSVLogger
 
 from hieragent.envs.base import env_class
 from hieragent.lightning.datamodule import RolloutDataModule
@@ -15,6 +14,8 @@ from hieragent.lightning.module import HierAgentModule
 from hieragent.memory.settings import MemorySettings
 from hieragent.models.lora import LoraSettings
 from hieragent.rollout.loop import RolloutSettings
+
+from fit_helpers import quiet_trainer
 
 
 def fit(env, tmp_path, **module_kwargs):
@@ -24,9 +25,7 @@ def fit(env, tmp_path, **module_kwargs):
                              memory=MemorySettings(enabled=True, seed_file="data/skills.jsonl"),
                              lr_planner=1e-2, lr_executor=1e-2, **module_kwargs)
     data = RolloutDataModule(env=env, max_episode_steps=4, seeds_per_batch=1, group_size=2)
-    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=CSVLogger(tmp_path, name="run"),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, check_val_every_n_epoch=1000, log_every_n_steps=1)
+    trainer = quiet_trainer(tmp_path, 1)
     trainer.fit(module, datamodule=data)
     with open(next(tmp_path.glob("run/version_*/metrics.csv")), newline="") as f:
         logged = {k: float(v) for r in csv.DictReader(f) for k, v in r.items() if v not in (None, "")}

@@ -6,7 +6,6 @@ import sys
 
 import lightning as L
 import pytest
-from lightning.pytorch.loggers import CSVLogger
 
 from hieragent.lightning.callbacks import FrozenHeap
 from hieragent.lightning.datamodule import RolloutDataModule
@@ -14,6 +13,8 @@ from hieragent.lightning.module import HierAgentModule
 from hieragent.memory.settings import MemorySettings
 from hieragent.models.lora import LoraSettings
 from hieragent.rollout.loop import RolloutSettings
+
+from fit_helpers import quiet_trainer
 
 
 class Seen(L.Callback):
@@ -36,9 +37,7 @@ def fit(tmp_path, *callbacks, steps=2):
                              memory=MemorySettings(enabled=True, seed_file="data/skills.jsonl"),
                              lr_planner=1e-2, lr_executor=1e-2)
     data = RolloutDataModule(env="BabyAI-GoToObjS4-v0", max_episode_steps=4, seeds_per_batch=1, group_size=2)
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=CSVLogger(tmp_path, name="run"),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, check_val_every_n_epoch=1000, callbacks=list(callbacks))
+    trainer = quiet_trainer(tmp_path, steps, callbacks)
     trainer.fit(module, datamodule=data)
     return module
 

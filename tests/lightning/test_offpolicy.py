@@ -5,7 +5,6 @@ import csv
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
 
 from hieragent.lightning.datamodule import RolloutDataModule
 from hieragent.lightning.module import HierAgentModule
@@ -15,6 +14,8 @@ from hieragent.objectives.advantages import AdvantageSettings
 from hieragent.objectives.update import ObjectiveSettings
 from hieragent.rollout.loop import RolloutSettings
 from hieragent.rollout.replay import ReplaySettings
+
+from fit_helpers import quiet_trainer
 
 
 def tiny_module(cls=HierAgentModule, **overrides):
@@ -29,9 +30,7 @@ def fit(module, tmp_path, steps):
     L.seed_everything(0)
     data = RolloutDataModule(env="BabyAI-GoToObjS4-v0", max_episode_steps=6, seeds_per_batch=2,
                              group_size=2)
-    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=CSVLogger(tmp_path, name="run"),
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0, check_val_every_n_epoch=1000, log_every_n_steps=1)
+    trainer = quiet_trainer(tmp_path, steps)
     trainer.fit(module, datamodule=data)
     rows = list(csv.DictReader(open(next(tmp_path.glob("run/version_*/metrics.csv")))))
     return trainer, rows

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import mmap
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -66,6 +69,8 @@ def test_a_lent_build_takes_cpu_only_on_loans_and_loses_no_entry(keys):
     pid = started(index)
     # the keys twice (the mapping keeps a descriptor of its own), the request, the result, the child's stderr
     assert memfds(before) == Counter({"keys": 2, "request": 1, "result": 1, "stderr": 1})
+    with open(f"/proc/{pid}/environ", "rb") as f:  # its heap in huge pages (freed in few, short calls)
+        assert b"GLIBC_TUNABLES=" + lent.HUGE_HEAP.encode() in f.read().split(b"\0")
     state, ticks = proc_stat(pid)  # stopped already: the caller waits for its stop to take effect
     time.sleep(0.5)  # no loan: the process stays stopped and spends nothing
     assert state == "T" and proc_stat(pid) == ("T", ticks)
@@ -85,9 +90,9 @@ def test_a_lent_build_takes_cpu_only_on_loans_and_loses_no_entry(keys):
     assert index.active == "ivf_flat" and loans > 1 and index.trained_at == 700 and running == 0
     assert memfds(before) in (Counter(), Counter(keys=1))  # at most the mapping the new rows may live in
     assert index.last_build[1] > 0  # the process's CPU seconds
-    # the longest slice of each stage the caller ran ("stop" only where a loan ran out, "catch-up" only
-    # where more rows came in meanwhile than a swap replays)
-    assert set(index.last_slices) - {"stop", "catch-up"} == {"copy", "start", "result", "fill", "map"}
+    # the longest slice of each stage the caller ran ("stop" or "exit" only where a loan ran out,
+    # "catch-up" only where more rows came in meanwhile than a swap replays)
+    assert set(index.last_slices) - {"stop", "exit", "catch-up"} == {"copy", "start", "result", "fill", "map"}
     assert all(s > 0 for s in index.last_slices.values())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
@@ -199,3 +204,62 @@ def test_results_cross_in_slices_and_arrive_whole(monkeypatch):
     assert back["note"] == "ivf_flat"
     np.testing.assert_array_equal(back["index"], out["index"])
     np.testing.assert_array_equal(back["assign"], out["assign"])
+
+
+def test_the_child_adds_huge_pages_to_the_tunables_it_inherits(monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert lent.child_env()["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:" + lent.HUGE_HEAP
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    assert lent.child_env()["GLIBC_TUNABLES"] == lent.HUGE_HEAP
+    monkeypatch.setattr(lent, "HUGE_HEAP", "")
+    assert "GLIBC_TUNABLES" not in lent.child_env()
+
+
+def shared_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+
+
+def test_release_unmaps_shared_keys_in_slices_and_keeps_them():
+    """The child drops its page tables over the shared keys before it exits, a slice per call
+    (unmapped at once, 1.15 GB took one 15 ms call that a stop waited for); the keys stay."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((64 * 1024, 64)).astype(np.float32)  # 16 MB
+    fd = os.memfd_create("hieragent-test")
+    try:
+        os.write(fd, x.tobytes())
+        area = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+        keys = np.frombuffer(area, dtype=np.float32).reshape(-1, 64)
+        before = shared_kb()
+        assert float(keys.astype(np.float64).sum()) == pytest.approx(float(x.astype(np.float64).sum()))
+        mapped = shared_kb() - before
+        assert mapped > 15 * 1024  # every page of the keys now in this process's tables
+        calls = []
+        madvise = area.madvise
+
+        class Counted:  # mmap's methods are read-only: count the calls through a proxy
+            def __len__(self):
+                return len(area)
+
+            def madvise(self, *args):
+                calls.append(args)
+                return madvise(*args)
+
+        lent.release(Counted(), step=1 << 20)
+        assert len(calls) == 16 and shared_kb() - before < mapped - 15 * 1024
+        np.testing.assert_array_equal(keys, x)  # read back from the memfd
+        del keys
+        area.close()
+    finally:
+        os.close(fd)
+
+
+def test_a_stop_says_whether_the_child_stopped_or_had_exited():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert lent.stop(proc) and proc_stat(proc.pid)[0] == "T" and proc.returncode is None
+        proc.kill()  # a stopped process dies of SIGKILL
+        assert not lent.stop(proc) and proc.returncode == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import mmap
 import os
 import pickle
@@ -298,6 +299,19 @@ def child(keys_fd: int, request_fd: int, result_fd: int) -> None:
            "template": None if template is None else faiss.serialize_index(template), "tuned": tuned,
            "note": note, "cpu_s": time.process_time() - cpu}
     pickle.dump(out, Slices(result_fd), protocol=pickle.HIGHEST_PROTOCOL)  # read once this process has exited
+    del out, index, template, keys, assign
+    gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Give the heap's free memory back to the kernel before exiting, in calls a stop can fall
+    between (glibc's ``malloc_trim``: one ``madvise`` per 64 MB arena). Left to the exit, the
+    teardown of a 1M-key build's address space (the OpenMP threads' arenas, about 575 MB in 4 KB
+    pages) ran as one uninterruptible step of 32-57 ms that a stop after a loan waited out;
+    trimmed first, the exit took 5 ms."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def request(spec: IndexSpec, kind: str, tuned: dict[str, int], template: faiss.Index | None, trained_at: int,

@@ -8,8 +8,12 @@ by an eviction is reused by the next add, so the columns never outgrow the large
   * **Eviction order** (lowest utility, then oldest, then lowest id) is served from a pool: a
     heap of the ``POOL`` first entries in that order and every entry whose key has since
     fallen below the pool's bound. Adds and credits push into it when their new key is below
-    the bound; stale heap items are skipped when popped. When the pool runs dry one O(N)
-    numpy pass refills it, so an eviction costs O(N / POOL + log POOL) amortised.
+    the bound; stale heap items are skipped when popped. Once half the pool is served (or
+    stale items have doubled it), a **scan** refills it ahead of need, ``SCAN`` slots per
+    eviction call, while the old pool goes on serving: no call pays the whole O(N) pass (at 1M
+    entries one pass took up to 130 ms, one update's stall). Keys changed while the scan runs
+    are noted and offered to the new pool when it takes over. Only a pool run dry mid-scan
+    falls back to one full pass. An eviction costs O(N / POOL + log POOL) amortised.
   * **Statistics**: sizes by kind, the used count and the sum of used utilities are counters;
     the utility percentiles come from the used entries themselves up to ``SAMPLE`` of them,
     above that from a uniform sample of ``SAMPLE`` (an array of the used slots is kept for it),
@@ -28,6 +32,7 @@ import numpy as np
 KINDS: tuple[str, ...] = ("skill", "episodic", "lesson")
 _STEP_BITS = 40  # eviction order packs (created_step, id) into one int64 while both fit
 POOL = 4096  # eviction candidates kept in order
+SCAN = 1 << 16  # slots a refill scan reads per eviction call
 SAMPLE = 8192  # used entries the percentiles are computed from
 
 
@@ -53,6 +58,8 @@ class EntryTable:
         self._used_at = np.zeros(0, dtype=np.int64)  # per slot: its place in _used_slots, or -1
         self._pool: list[tuple[float, int, int]] = []  # heap of (utility, created step, id)
         self._bound: tuple[float, int, int] | None = None  # every live key below it is in the pool
+        self._served = 0  # ids the pool has given out since it was filled
+        self._scan: _Scan | None = None  # a refill under way
         self._rng = np.random.default_rng(0)
 
     def __len__(self) -> int:
@@ -144,12 +151,16 @@ class EntryTable:
         return float(self._utility[s]), int(self._step[s]), int(self._id[s])
 
     def _offer(self, s: int) -> None:
-        """Push slot ``s``'s (new) key into the pool if it falls below the bound."""
+        """Push slot ``s``'s (new) key into the pool if it falls below the bound (and note it
+        for the scan under way, whose new bound is not known yet)."""
+        if self._scan is not None:
+            self._scan.touched.add(s)
         if self._bound is not None and (key := self._key(s)) <= self._bound:
             heapq.heappush(self._pool, key)
 
     def lowest(self, count: int) -> list[int]:
         """The ``count`` ids first by (utility, created step, id): the eviction order."""
+        self._advance(count)
         out: list[int] = []
         taken: set[int] = set()
         count = min(count, len(self))
@@ -163,21 +174,58 @@ class EntryTable:
             if s is not None and i not in taken and self._key(s) == (u, step, i):  # else stale
                 out.append(i)
                 taken.add(i)
+        self._served += len(out)
+        if self._scan is not None:
+            self._scan.served += len(out)
         for i in out:  # the caller removes them, or they go back
             s = self._slot[i]
             heapq.heappush(self._pool, self._key(s))
-        if len(self._pool) > 4 * POOL:  # stale items pile up with credits: start afresh
-            self._pool, self._bound = [], None
+        if len(self._pool) > 4 * POOL:  # stale items pile up faster than scans clear them: start afresh
+            self._pool, self._bound, self._scan = [], None, None
         return out
+
+    def _advance(self, count: int) -> None:
+        """Start a refill scan where a quarter of the pool is served or stale items have doubled
+        it (and a bound exists: a first fill is one pass), and move the scan under way on:
+        ``SCAN`` slots, or more where it would not end before calls of ``count`` evictions serve
+        another eighth of the pool. Ids served during a scan are stale in the pool it makes."""
+        if self._scan is None:
+            if self._bound is None or not (4 * self._served >= POOL or len(self._pool) > 2 * POOL):
+                return
+            if self._bound[0] == float("inf"):  # every entry is in the pool already
+                return
+            self._scan = _Scan(len(self._text))
+        scan = self._scan
+        calls = max(1, POOL // (8 * max(count, 1)))
+        end = min(scan.pos + max(SCAN, -(-(scan.end - scan.pos) // calls)), scan.end)
+        slots = np.flatnonzero(self._live[scan.pos:end]) + scan.pos
+        u = np.concatenate([scan.u, self._utility[slots]])
+        step = np.concatenate([scan.step, self._step[slots]])
+        ids = np.concatenate([scan.ids, self._id[slots]])
+        best = first_keys(u, step, ids, min(POOL, len(u)))
+        scan.u, scan.step, scan.ids, scan.pos = u[best], step[best], ids[best], end
+        if scan.pos == scan.end:
+            self._take_scan(scan)
+
+    def _take_scan(self, scan: _Scan) -> None:
+        """The finished scan's keys become the pool; keys changed meanwhile join it where they fall below its bound."""
+        self._scan = None
+        pool = list(zip(scan.u.tolist(), scan.step.tolist(), scan.ids.tolist()))  # sorted: already a heap
+        bound = pool[-1] if len(pool) == POOL else (float("inf"), 0, 0)
+        for s in scan.touched:
+            if self._live[s] and (key := self._key(s)) <= bound:
+                heapq.heappush(pool, key)
+        self._pool, self._bound, self._served = pool, bound, scan.served
 
     def _refill(self, taken: set[int]) -> None:
         """One O(N) pass: the ``POOL`` first live entries (not in ``taken``) in eviction order."""
+        self._scan, self._served = None, 0
         live = self._live[: len(self._text)]
         if taken:  # by slot: np.isin over every live id took ~80 ms at 1M entries
             live = live.copy()
             live[[self._slot[i] for i in taken]] = False
         slots = np.flatnonzero(live)
-        first = self._first(slots, min(POOL, len(slots)))
+        first = slots[first_keys(self._utility[slots], self._step[slots], self._id[slots], min(POOL, len(slots)))]
         self._pool = [self._key(s) for s in first.tolist()]  # sorted: already a heap
         if not self._pool:
             self._bound = None
@@ -185,24 +233,6 @@ class EntryTable:
             self._bound = (float("inf"), 0, 0)  # every entry is in the pool: so is every new one
         else:
             self._bound = self._pool[-1]
-
-    def _first(self, slots: np.ndarray, count: int) -> np.ndarray:
-        """The ``count`` slots of ``slots`` first in eviction order, sorted, in O(N)."""
-        if count <= 0:
-            return slots[:0]
-        u = self._utility[slots]
-        kth = np.partition(u, count - 1)[count - 1]
-        below, tie = slots[u < kth], slots[u == kth]
-        need = count - len(below)
-        if need < len(tie):  # break the tie at the boundary by (created step, id), still in O(N)
-            steps, ids = self._step[tie], self._id[tie]
-            if steps.min() >= 0 and steps.max() < 2 ** (63 - _STEP_BITS) and ids.max() < 2 ** _STEP_BITS:
-                order = np.argpartition((steps << _STEP_BITS) | ids, need - 1)[:need]
-            else:
-                order = np.lexsort((ids, steps))[:need]
-            tie = tie[order]
-        chosen = np.concatenate([below, tie[:need]])
-        return chosen[np.lexsort((self._id[chosen], self._step[chosen], self._utility[chosen]))]
 
     # ---- statistics ----------------------------------------------------------------------
     def _mark_used(self, s: int) -> None:
@@ -249,3 +279,33 @@ class EntryTable:
             new = np.zeros(cap, dtype=old.dtype)
             new[: len(old)] = old
             setattr(self, name, new)
+
+
+class _Scan:
+    """A refill in progress: slots ``[0, pos)`` of ``[0, end)`` read; the best ``POOL`` keys
+    among them (as read); the slots whose keys changed since it began; the ids served since."""
+
+    def __init__(self, end: int) -> None:
+        self.pos, self.end, self.served = 0, end, 0
+        self.u = np.zeros(0, dtype=np.float64)
+        self.step = np.zeros(0, dtype=np.int64)
+        self.ids = np.zeros(0, dtype=np.int64)
+        self.touched: set[int] = set()
+
+
+def first_keys(u: np.ndarray, step: np.ndarray, ids: np.ndarray, count: int) -> np.ndarray:
+    """Positions of the ``count`` keys first by (utility, step, id), sorted, in O(N)."""
+    if count <= 0:
+        return np.zeros(0, dtype=np.int64)
+    kth = np.partition(u, count - 1)[count - 1]
+    below, tie = np.flatnonzero(u < kth), np.flatnonzero(u == kth)
+    need = count - len(below)
+    if need < len(tie):  # break the tie at the boundary by (created step, id), still in O(N)
+        steps, tids = step[tie], ids[tie]
+        if steps.min() >= 0 and steps.max() < 2 ** (63 - _STEP_BITS) and tids.max() < 2 ** _STEP_BITS:
+            order = np.argpartition((steps << _STEP_BITS) | tids, need - 1)[:need]
+        else:
+            order = np.lexsort((tids, steps))[:need]
+        tie = tie[order]
+    chosen = np.concatenate([below, tie[:need]])
+    return chosen[np.lexsort((ids[chosen], step[chosen], u[chosen]))]

@@ -101,3 +101,39 @@ def test_the_eviction_pool_stays_exact_through_adds_credits_and_evictions_beyond
             order = sorted(model, key=lambda i: (model[i]["utility"], model[i]["created_step"], i))
             assert table.lowest(40) == order[:40], op
     assert len(table) == len(model)
+
+
+def test_refills_scan_ahead_in_slices_and_stay_exact_through_changes_mid_scan(monkeypatch):
+    """With scans far shorter than the table, a refill spans many eviction calls while
+    credits, adds, evictions and slot reuse go on; the order stays a full sort's, and after
+    the first fill no call makes a full pass."""
+    monkeypatch.setattr(entries, "POOL", 64)
+    monkeypatch.setattr(entries, "SCAN", 50)
+    rng = np.random.default_rng(7)
+    table, model = filled(rng, 1500)
+    passes, reads = [], []
+    refill, first = table._refill, entries.first_keys
+    monkeypatch.setattr(table, "_refill", lambda taken: (passes.append(len(taken)), refill(taken)))
+    monkeypatch.setattr(entries, "first_keys", lambda u, *rest: (reads.append(len(u)), first(u, *rest))[1])
+    next_id, scans = 100_000, 0
+    for op in range(900):
+        credit(rng, table, model, 3)
+        for _ in range(2):  # adds reuse the slots evictions free
+            table.add(next_id, "episodic", "t", "s", int(rng.integers(0, 8)))
+            model[next_id] = {"id": next_id, "kind": "episodic", "text": "t", "source": "s",
+                              "created_step": table.get(next_id)["created_step"], "uses": 0, "utility": 0.0,
+                              "merges": 0}
+            next_id += 1
+        for i in table.lowest(2):
+            order = sorted(model, key=lambda i: (model[i]["utility"], model[i]["created_step"], i))
+            assert i in order[:2], op
+            table.remove(i)
+            del model[i]
+        scans += table._scan is not None
+        if op % 50 == 0:
+            order = sorted(model, key=lambda i: (model[i]["utility"], model[i]["created_step"], i))
+            assert table.lowest(10) == order[:10], op
+    assert len(passes) == 1  # the first fill only
+    # each call read a slice of the table: here the pool (an eighth: 8 ids, 2 a call) sets it, not SCAN
+    assert scans > 100 and max(reads[1:]) < 64 + 1500 / 3
+    assert len(table._text) < 1600  # the columns stayed the table's size

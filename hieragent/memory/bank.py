@@ -313,7 +313,7 @@ class MemoryBank:
         excess = len(self._entries) - self.capacity
         if excess <= 0 or self._index is None:
             return
-        victims = self._entries.lowest(excess)  # by (utility, created step, id), one O(N) pass
+        victims = self._entries.lowest(excess)  # by (utility, created step, id), from the eviction pool
         self._index.remove(np.asarray(victims, dtype=np.int64))
         for i in victims:
             e = self._entries.remove(i)
@@ -417,6 +417,7 @@ class MemoryBank:
         entries = EntryTable()
         for i, k, t, s, c, u, v, m in zip(ids.tolist(), *(state[c] for c in COLUMNS)):
             entries.add(i, k, t, s, int(c), uses=int(u), utility=float(v), merges=int(m))
+        entries.fill_pool()  # its O(N) pass here, not in the first training step that evicts
         self._index, self._entries, self._dim = index, entries, dim
         self._next_id = int(state["next_id"])
         self.events = Counter({k: int(v) for k, v in state.get("events", {}).items()})

@@ -8,12 +8,13 @@ by an eviction is reused by the next add, so the columns never outgrow the large
   * **Eviction order** (lowest utility, then oldest, then lowest id) is served from a pool: a
     heap of the ``POOL`` first entries in that order and every entry whose key has since
     fallen below the pool's bound. Adds and credits push into it when their new key is below
-    the bound; stale heap items are skipped when popped. Once half the pool is served (or
+    the bound; stale heap items are skipped when popped. Once a quarter of the pool is served (or
     stale items have doubled it), a **scan** refills it ahead of need, ``SCAN`` slots per
     eviction call, while the old pool goes on serving: no call pays the whole O(N) pass (at 1M
     entries one pass took up to 130 ms, one update's stall). Keys changed while the scan runs
-    are noted and offered to the new pool when it takes over. Only a pool run dry mid-scan
-    falls back to one full pass. An eviction costs O(N / POOL + log POOL) amortised.
+    are noted and offered to the new pool when it takes over. Only a first fill (done when a
+    bank loads, ``fill_pool``) and a pool run dry mid-scan make one full pass. An eviction
+    costs O(N / POOL + log POOL) amortised.
   * **Statistics**: sizes by kind, the used count and the sum of used utilities are counters;
     the utility percentiles come from the used entries themselves up to ``SAMPLE`` of them,
     above that from a uniform sample of ``SAMPLE`` (an array of the used slots is kept for it),
@@ -31,7 +32,7 @@ import numpy as np
 
 KINDS: tuple[str, ...] = ("skill", "episodic", "lesson")
 _STEP_BITS = 40  # eviction order packs (created_step, id) into one int64 while both fit
-POOL = 4096  # eviction candidates kept in order
+POOL = 16384  # eviction candidates kept in order
 SCAN = 1 << 16  # slots a refill scan reads per eviction call
 SAMPLE = 8192  # used entries the percentiles are computed from
 
@@ -183,6 +184,11 @@ class EntryTable:
         if len(self._pool) > 4 * POOL:  # stale items pile up faster than scans clear them: start afresh
             self._pool, self._bound, self._scan = [], None, None
         return out
+
+    def fill_pool(self) -> None:
+        """Fill the eviction pool now (one O(N) pass), so that the first eviction does not."""
+        if self._bound is None and len(self):
+            self._refill(set())
 
     def _advance(self, count: int) -> None:
         """Start a refill scan where a quarter of the pool is served or stale items have doubled

@@ -159,6 +159,7 @@ def test_state_dict_round_trips_exactly_through_weights_only_torch_load():
     restored = MemoryBank(capacity=20, merge_threshold=0.9)
     restored.load_state_dict(loaded)
     assert_banks_equal(bank, restored)
+    assert restored._entries._pool  # filled at load: the first eviction makes no O(N) pass
     new = unit(np.random.default_rng(8), 1)
     assert bank.add(["next"], keys=new) == restored.add(["next"], keys=new)  # id counter restored
 

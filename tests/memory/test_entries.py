@@ -137,3 +137,15 @@ def test_refills_scan_ahead_in_slices_and_stay_exact_through_changes_mid_scan(mo
     # each call read a slice of the table: here the pool (an eighth: 8 ids, 2 a call) sets it, not SCAN
     assert scans > 100 and max(reads[1:]) < 64 + 1500 / 3
     assert len(table._text) < 1600  # the columns stayed the table's size
+
+
+def test_a_filled_pool_serves_the_first_evictions_without_a_pass(monkeypatch):
+    monkeypatch.setattr(entries, "POOL", 16)
+    rng = np.random.default_rng(9)
+    table, model = filled(rng, 300)
+    table.fill_pool()  # as a bank does when it loads
+    passes = []
+    refill = table._refill
+    monkeypatch.setattr(table, "_refill", lambda taken: (passes.append(taken), refill(taken)))
+    order = sorted(model, key=lambda i: (model[i]["utility"], model[i]["created_step"], i))
+    assert table.lowest(5) == order[:5] and passes == []

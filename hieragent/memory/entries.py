@@ -8,10 +8,10 @@ by an eviction is reused by the next add, so the columns never outgrow the large
   * **Eviction order** (lowest utility, then oldest, then lowest id) is served from a pool: a
     heap of the ``POOL`` first entries in that order and every entry whose key has since
     fallen below the pool's bound. Adds and credits push into it when their new key is below
-    the bound; stale heap items are skipped when popped. Once a quarter of the pool is served (or
-    stale items have doubled it), a **scan** refills it ahead of need, ``SCAN`` slots per
-    eviction call, while the old pool goes on serving: no call pays the whole O(N) pass (at 1M
-    entries one pass took up to 130 ms, one update's stall). Keys changed while the scan runs
+    the bound; stale heap items are skipped when popped. Once a quarter of the pool is served
+    (or stale items have doubled it), a **scan** refills it ahead of need, ``SCAN`` slots or
+    more per eviction call, while the old pool goes on serving: no call pays the whole O(N)
+    pass (at 1M entries one pass took up to 130 ms in bench-memory's stall). Keys changed while the scan runs
     are noted and offered to the new pool when it takes over. Only a first fill (done when a
     bank loads, ``fill_pool``) and a pool run dry mid-scan make one full pass. An eviction
     costs O(N / POOL + log POOL) amortised.
@@ -214,7 +214,8 @@ class EntryTable:
             self._take_scan(scan)
 
     def _take_scan(self, scan: _Scan) -> None:
-        """The finished scan's keys become the pool; keys changed meanwhile join it where they fall below its bound."""
+        """The finished scan's keys become the pool; keys changed meanwhile join it where they
+        fall below its new bound."""
         self._scan = None
         pool = list(zip(scan.u.tolist(), scan.step.tolist(), scan.ids.tolist()))  # sorted: already a heap
         bound = pool[-1] if len(pool) == POOL else (float("inf"), 0, 0)

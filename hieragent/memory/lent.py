@@ -69,8 +69,9 @@ class LentBuild:
     ``longest`` keeps, per stage of the caller's share, its longest slice in seconds (a stall
     above one loan names its stage there): ``copy`` (the snapshot into shared memory),
     ``start`` (the request and the child's start), ``stop`` (the child's stop after its loan,
-    beyond the loan), ``exit`` (as ``stop``, where the loan ended inside the child's exit), ``result`` (reading what the child built), ``fill`` (the IVF lists) and
-    what ``after`` yields (the bank's: ``map``, ``catch-up``)."""
+    beyond the loan), ``exit`` (as ``stop``, where the loan ended inside the child's exit),
+    ``result`` (reading what the child built), ``fill`` (the IVF lists) and what ``after``
+    yields (the bank's: ``map``, ``catch-up``)."""
 
     def __init__(self, buf: np.ndarray, rid: np.ndarray, keep: np.ndarray, dim: int, request: dict[str, Any],
                  after: Callable[..., Iterator[str]]) -> None:
@@ -180,8 +181,9 @@ class LentBuild:
 
 
 # The child's heap in transparent huge pages (glibc 2.35+; ignored elsewhere): a 1M-key build
-# frees gigabytes, and the kernel's teardown of 4 KB pages ran as one uninterruptible call
-# (a heap trim of 35 ms at 500k keys, about 70 ms at 1M) that a stop after a loan waited out.
+# frees gigabytes, and the kernel's teardown of them in 4 KB pages ran as one uninterruptible
+# call that a stop after a loan waited out (a heap trim of 35 ms at 500k keys; 2.5 ms for
+# 1.2 GB in huge pages at 1M, both traced with strace).
 HUGE_HEAP = "glibc.malloc.hugetlb=1"
 RELEASE_SLICE = 1 << 26  # bytes of the shared keys unmapped per system call in the child
 
@@ -203,8 +205,8 @@ def release(area: mmap.mmap, step: int = RELEASE_SLICE) -> None:
 
 
 def stop(proc: subprocess.Popen) -> bool:
-    """Stop the child and wait until it has stopped (True) or exited (False). ``SIGSTOP`` takes effect only when each
-    of its threads next passes through the kernel: without the wait, a busy child ran on into
+    """Stop the child and wait until it has stopped (True) or exited (False). ``SIGSTOP`` takes
+    effect only when each of its threads next passes through the kernel: without the wait, a busy child ran on into
     the caller's next step (in the stall at 200k keys it was still running when 572 of 723
     steps began, and took CPU during 150 of them). A child that exited meanwhile keeps its
     exit code for ``Popen``. A child already in its exit ignores the signal, and the wait

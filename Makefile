@@ -7,7 +7,7 @@ CONFIG ?= configs/babyai_hier.yaml
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.hieragent-installed
 
-.PHONY: install train train-flat test test-slow bench-objective bench-memory bench-openmp bench-freeing bench-rollout bench-attention device-check textworld-games demos warmstart expert-table ablation-memory repro-babyai repro-games repro-offpolicy clean
+.PHONY: install train train-flat test test-slow bench-objective bench-memory bench-openmp bench-freeing bench-evictions bench-rollout bench-attention device-check textworld-games demos warmstart expert-table ablation-memory repro-babyai repro-games repro-offpolicy clean
 
 install: $(STAMP)
 
@@ -56,6 +56,11 @@ bench-openmp: install
 # thread, or kept, alternating (see hieragent/bench/freeing.py)
 bench-freeing: install
 	$(BIN)/python -m hieragent.bench.freeing $(BENCH_ARGS)
+
+# evictions from a full 1M-entry table, its pool refilled by scans ahead of need or by a full
+# pass when dry, alternating (see hieragent/bench/evictions.py)
+bench-evictions: install
+	$(BIN)/python -m hieragent.bench.evictions $(BENCH_ARGS)
 
 # the HF engine on GoToLocal, 8 and 32 envs, score/generate, with and without history, against
 # naive acting and the machine's matmul peak measured in the same run (see hieragent/bench/rollout.py)

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from hieragent.bench import at_least_one
 from hieragent.bench.noise import OVERLAP, separation
 from hieragent.memory.entries import EntryTable
 
@@ -88,9 +89,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a = p.parse_args(argv)
     if a.quick:
         a.size, a.updates, a.rounds = 20_000, 300, 1
-    for name in ("size", "updates", "rounds"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
+    at_least_one(p, a, "size", "updates", "rounds")
 
     from rich.console import Console
     from rich.progress import Progress

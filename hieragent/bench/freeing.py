@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 
-from hieragent.bench import bank_upkeep
+from hieragent.bench import at_least_one, bank_upkeep
 from hieragent.bench.memory import cluster_source, machine_line
 from hieragent.bench.noise import OVERLAP, separation
 from hieragent.memory import freeing
@@ -117,9 +117,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a = p.parse_args(argv)
     if a.quick:
         a.size, a.rounds = 20_000, 1
-    for name in ("size", "rounds"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
+    at_least_one(p, a, "size", "rounds")
 
     from rich.console import Console
     from rich.progress import Progress

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 
+from hieragent.bench import at_least_one
 from hieragent.bench.noise import OVERLAP, separation  # imports neither torch nor FAISS: the order stays the child's
 
 ORDERS = {"faiss": "FAISS first", "torch": "torch first"}
@@ -86,9 +87,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     if a.quick:
         a.size, a.rounds, a.updates = 2000, 1, 3
-    for name in ("size", "rounds", "updates"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(a, name)}")
+    at_least_one(p, a, "size", "rounds", "updates")
 
     from rich.console import Console
     from rich.progress import Progress
